@@ -1,0 +1,46 @@
+"""retrofit: post-train pretrained Hugging Face LLMs into looped transformers with token-level
+adaptive depth (TaH2, ANIRA-E/O, fixed), plus training-free exits and TAPS.
+
+    >>> import retrofit
+    >>> looped = retrofit.convert(base_model, retrofit.LoopConfig(prelude=2, core=4, max_depth=3, method="tah2"))
+    >>> out = looped(input_ids)          # out.logits, out.depths ([B, T], 1-based)
+"""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .config import ATTENTION_MODES, METHODS, LoopConfig, LoopConfigError
+from .convert import convert, looped_config_for
+from .families import FAMILIES, UnsupportedArchitectureError
+from .heads import parameter_report
+from .modeling import (
+    LoopedCausalLMOutput,
+    LoopedForCausalLM,
+    LoopedLlamaConfig,
+    LoopedLlamaForCausalLM,
+    LoopedQwen3Config,
+    LoopedQwen3ForCausalLM,
+)
+
+__version__ = "0.1.0"
+
+for _cfg, _model in ((LoopedLlamaConfig, LoopedLlamaForCausalLM), (LoopedQwen3Config, LoopedQwen3ForCausalLM)):
+    AutoConfig.register(_cfg.model_type, _cfg, exist_ok=True)
+    AutoModelForCausalLM.register(_cfg, _model, exist_ok=True)
+
+__all__ = [
+    "ATTENTION_MODES",
+    "FAMILIES",
+    "METHODS",
+    "LoopConfig",
+    "LoopConfigError",
+    "LoopedCausalLMOutput",
+    "LoopedForCausalLM",
+    "LoopedLlamaConfig",
+    "LoopedLlamaForCausalLM",
+    "LoopedQwen3Config",
+    "LoopedQwen3ForCausalLM",
+    "UnsupportedArchitectureError",
+    "convert",
+    "looped_config_for",
+    "parameter_report",
+]

@@ -1,0 +1,152 @@
+"""The loop specification: which layers loop, how deep, which halting method, which attention.
+
+A pretrained stack ``L_0 … L_{N-1}`` is split into three contiguous ranges (METHODS.md §1)::
+
+    prelude = L_0 … L_{p-1}          runs once per token
+    core    = L_p … L_{p+c-1}        runs d = 1 … max_depth times per token
+    coda    = L_{p+c} … L_{N-1}      runs once, on each token's exit-depth state
+
+``LoopConfig`` holds only what changes the model's function. Loss weights and other training
+hyper-parameters live with the trainer (``retrofit.training``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+METHODS = ("tah2", "anira-e", "anira-o", "fixed")
+ATTENTION_MODES = ("duo-causal", "same-depth")
+
+# Each method's natural attention (METHODS.md §2): TaH2 trains with duo-causal attention across
+# depths; ANIRA uses the allocation-aware same-depth read; a plain fixed-depth loop (Huginn, Ouro)
+# attends within its own iteration, which is the same-depth rule when every token has one depth.
+DEFAULT_ATTENTION = {
+    "tah2": "duo-causal",
+    "anira-e": "same-depth",
+    "anira-o": "same-depth",
+    "fixed": "same-depth",
+}
+
+
+class LoopConfigError(ValueError):
+    """An invalid loop specification; the message says what was wrong and what is allowed."""
+
+
+@dataclass
+class LoopConfig:
+    """How to loop a pretrained model.
+
+    Args:
+        prelude: Number of leading layers run once per token (0 = whole-stack looping).
+        core: Number of layers looped after the prelude. ``None`` means all remaining layers
+            (whole-stack looping when ``prelude == 0``); the layers after the core form the coda.
+        max_depth: Maximum number of core iterations ``D`` (TaH2's ``M``). 1 reproduces the base model.
+        method: Halting method: one of ``"tah2"``, ``"anira-e"``, ``"anira-o"``, ``"fixed"``.
+        attention: ``"duo-causal"`` (attend to every executed depth ≤ the current one, TaH2) or
+            ``"same-depth"`` (attend to each earlier token once, at depth ``min(d, d*_s)``, ANIRA).
+            ``None`` picks the method's natural mode (``DEFAULT_ATTENTION``).
+        updater_hidden: Hidden width of the updater MLP; ``None`` = the model's hidden size. Lower
+            it if the heads' parameter share matters (the report in ``retrofit.heads``).
+        decider_hidden: Hidden width of the decider FFN; ``None`` = hidden size // 4.
+        decider_top_k: TaH2 decider input: how many top next-token probabilities it sees (§3).
+        exit_threshold: TaH2's ``τ_exit``: a token stops at the first depth whose continue
+            probability is below it (§3: 0.5).
+        halt_threshold: ANIRA-O inference: the token stops at the first depth where the cumulative
+            halting mass reaches this value (0.5 = the median depth, §4); lower = shallower.
+        mixture_output: TaH2 output = halting-weighted mixture of per-depth distributions (§3).
+            ``False`` is the seed's "final-depth prediction only" ablation.
+        train_decisions: TaH2 training-time depth choice: ``"threshold"`` (on-policy, the same
+            rule as inference, §3) or ``"sample"`` (Bernoulli on the continue probability, the
+            seed's ablation).
+        gumbel_tau: Temperature of ANIRA-E's straight-through Gumbel-softmax during training.
+        fixed_graph: Always unroll all ``max_depth`` iterations, even when every token has exited.
+            Needed under DeepSpeed ZeRO-3, whose trace cache thrashes on dynamic control flow.
+        deep_init_logit: Initial logit of the deciders' "continue" choice. Deciders start deep
+            (they continue at init) because shallow starts trap training (an ACT finding).
+    """
+
+    prelude: int = 0
+    core: int | None = None
+    max_depth: int = 2
+    method: str = "tah2"
+    attention: str | None = None
+    updater_hidden: int | None = None
+    decider_hidden: int | None = None
+    decider_top_k: int = 10
+    exit_threshold: float = 0.5
+    halt_threshold: float = 0.5
+    mixture_output: bool = True
+    train_decisions: str = "threshold"
+    gumbel_tau: float = 1.0
+    fixed_graph: bool = False
+    deep_init_logit: float = 3.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise LoopConfigError(f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
+        if self.attention is None:
+            self.attention = DEFAULT_ATTENTION[self.method]
+        if self.attention not in ATTENTION_MODES:
+            raise LoopConfigError(
+                f"unknown attention mode {self.attention!r}; allowed: {', '.join(ATTENTION_MODES)}"
+            )
+        if not isinstance(self.max_depth, int) or isinstance(self.max_depth, bool) or self.max_depth < 1:
+            raise LoopConfigError(f"max_depth must be an integer >= 1, got {self.max_depth!r}")
+        if not isinstance(self.prelude, int) or self.prelude < 0:
+            raise LoopConfigError(f"prelude must be an integer >= 0 (number of leading layers), got {self.prelude!r}")
+        if self.core is not None and (not isinstance(self.core, int) or self.core < 1):
+            raise LoopConfigError(f"core must be None (all remaining layers) or an integer >= 1, got {self.core!r}")
+        if self.train_decisions not in ("threshold", "sample"):
+            raise LoopConfigError(
+                f"train_decisions must be 'threshold' or 'sample', got {self.train_decisions!r}"
+            )
+        for name in ("exit_threshold", "halt_threshold"):
+            v = getattr(self, name)
+            if not 0.0 < v < 1.0:
+                raise LoopConfigError(f"{name} must lie strictly between 0 and 1, got {v!r}")
+        if self.decider_top_k < 1:
+            raise LoopConfigError(f"decider_top_k must be >= 1, got {self.decider_top_k!r}")
+        for name in ("updater_hidden", "decider_hidden"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise LoopConfigError(f"{name} must be None or a positive integer, got {v!r}")
+        if self.gumbel_tau <= 0:
+            raise LoopConfigError(f"gumbel_tau must be > 0, got {self.gumbel_tau!r}")
+
+    # ----------------------------------------------------------------------------------------
+    def layer_ranges(self, num_layers: int) -> tuple[range, range, range]:
+        """Resolve the split against a stack of ``num_layers`` layers.
+
+        Returns:
+            ``(prelude, core, coda)`` as ``range`` objects of layer indices.
+
+        Raises:
+            LoopConfigError: if the ranges do not fit in ``num_layers``.
+        """
+        p = self.prelude
+        if p >= num_layers:
+            raise LoopConfigError(
+                f"prelude={p} leaves no layer to loop: the model has {num_layers} layers, "
+                f"so prelude must be in 0..{num_layers - 1}"
+            )
+        c = num_layers - p if self.core is None else self.core
+        if p + c > num_layers:
+            raise LoopConfigError(
+                f"prelude={p} + core={c} = {p + c} exceeds the model's {num_layers} layers; "
+                f"with prelude={p}, core must be in 1..{num_layers - p} (or None for all remaining)"
+            )
+        return range(0, p), range(p, p + c), range(p + c, num_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LoopConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise LoopConfigError(f"unknown LoopConfig fields {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**d)

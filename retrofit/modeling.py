@@ -1,0 +1,474 @@
+"""The looped model: prelude → core × depth → coda around a pretrained backbone (METHODS.md §1–2).
+
+``LoopedForCausalLM`` wraps the base model's own modules by reference — ``model.embed_tokens``,
+``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head`` keep their names, so base
+checkpoints load into it and its checkpoints look like the base's plus two heads (``updater.*``,
+``halting.*``). No modeling file of transformers is copied (STYLE.md habit 1).
+
+The full-sequence forward (training, scoring, prefill without a cache) unrolls the core up to
+``max_depth`` times. Per token ``i`` the exit depth ``d*_i`` is either forced (``depth=``) or decided
+by the halting method; a token past its exit is *passed through*: its state is copied, its later
+keys are invisible to everyone else, and the coda sees its exit-depth state. Keys of every depth
+executed so far are stacked along the key axis and masked by ``retrofit.attention``; the stacking
+happens in ``DepthKVStore``, a minimal cache object handed to the base layers, which call its
+``update`` exactly as they would a transformers ``Cache``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import GenerationMixin, LlamaConfig, PreTrainedModel, Qwen3Config
+from transformers.modeling_outputs import ModelOutput
+
+from .attention import base_visibility, depth_key_visibility, to_additive_mask
+from .config import LoopConfig, LoopConfigError
+from .families import FAMILIES, Family, family_for
+from .halting import build_halting
+from .heads import Updater, init_tagged
+
+
+# ------------------------------------------------------------------------------------------------
+# Configs: flat subclasses of the base configs, plus the loop spec as one dict field.
+# ------------------------------------------------------------------------------------------------
+class _LoopedConfigMixin:
+    @property
+    def loop_config(self) -> LoopConfig:
+        """The ``LoopConfig`` stored in ``self.loop`` (validated on every read)."""
+        return LoopConfig.from_dict(self.loop or {})
+
+
+@strict(accept_kwargs=True)
+@dataclasses.dataclass(repr=False)
+class LoopedLlamaConfig(_LoopedConfigMixin, LlamaConfig):
+    """``LlamaConfig`` plus ``loop``: a ``LoopConfig`` as a dict."""
+
+    model_type = "looped_llama"
+    loop: dict | None = None
+
+
+@strict(accept_kwargs=True)
+@dataclasses.dataclass(repr=False)
+class LoopedQwen3Config(_LoopedConfigMixin, Qwen3Config):
+    """``Qwen3Config`` plus ``loop``: a ``LoopConfig`` as a dict."""
+
+    model_type = "looped_qwen3"
+    loop: dict | None = None
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class LoopedCausalLMOutput(ModelOutput):
+    """Output of ``LoopedForCausalLM.forward``.
+
+    Attributes:
+        loss: next-token loss on ``logits`` (the mixture NLL for TaH2), when labels are given.
+        logits: ``[B, T, V]``. For a TaH2 mixture: ``log p_mix + logsumexp(z^(d*))``, i.e. the log
+            mixture shifted per token by the exit depth's log-partition, so that a one-depth mixture
+            returns that depth's raw logits and ``softmax(logits) = p_mix``.
+        depths: ``[B, T]`` long, each token's exit depth (1-based).
+        depth_probs: ``[B, T, D]`` the method's halting distribution (TaH2: mixture weights π;
+            ANIRA: q); None for ``fixed``.
+        halt_signals: ``[B, T, k]`` per-depth decider outputs (TaH2: continue probabilities
+            ``c^(1..k)``; ANIRA-O: halting probabilities ``α``); None otherwise.
+        depth_logits_q: ``[B, T, D]`` ANIRA-E's raw depth logits (its q before softmax); else None.
+        depth_nll: ``[B, T, D]`` next-token loss at each depth (position t predicts label t+1;
+            TaH2's lookahead depth ``d*+1`` included); NaN where not computed. Present when labels
+            are given and the method needs it (TaH2) or ``output_depth_losses=True``.
+        depth_logits: ``[D, B, T, V]`` per-depth logits (NaN beyond a token's lookahead) when
+            ``output_depth_logits=True``.
+        active: ``[D, B, T]`` bool, token executed depth d.
+        past_key_values: the depth-aware cache, when decoding with one.
+    """
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    depths: torch.Tensor | None = None
+    depth_probs: torch.Tensor | None = None
+    halt_signals: torch.Tensor | None = None
+    depth_logits_q: torch.Tensor | None = None
+    depth_nll: torch.Tensor | None = None
+    depth_logits: torch.Tensor | None = None
+    active: torch.Tensor | None = None
+    past_key_values: object | None = None
+
+
+class DepthKVStore:
+    """K/V of the full-sequence forward, keyed by (layer index, depth).
+
+    The base attention calls ``update(k, v, layer_idx, kwargs=...)``; the current depth arrives in
+    ``kwargs["loop_depth"]`` (passed through the decoder layer's ``**kwargs``). ``update`` records
+    the depth's K/V and returns the keys of depths ``1 … m`` stacked along the sequence axis
+    (``[B, H, m * T, hd]``), the layout ``retrofit.attention`` masks. Writing is idempotent per
+    (layer, depth), so activation checkpointing may replay a layer safely.
+    """
+
+    def __init__(self):
+        self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prelude_or_coda = None  # layers outside the core pass loop_depth=0: no stacking
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        depth = (kwargs.get("kwargs") or {}).get("loop_depth", 0)
+        if depth == 0:
+            return key_states, value_states
+        self.kv[(layer_idx, depth)] = (key_states, value_states)
+        if depth == 1:
+            return key_states, value_states
+        ks = [self.kv[(layer_idx, j)][0] for j in range(1, depth + 1)]
+        vs = [self.kv[(layer_idx, j)][1] for j in range(1, depth + 1)]
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+
+# ------------------------------------------------------------------------------------------------
+class LoopedForCausalLM(PreTrainedModel):
+    """A pretrained causal LM with a looped core and per-token adaptive depth.
+
+    Build one with ``retrofit.convert(base_model, LoopConfig(...))`` (reuses the base's modules) or
+    load a saved one with ``AutoModelForCausalLM.from_pretrained``. Family subclasses
+    (``LoopedLlamaForCausalLM``, ``LoopedQwen3ForCausalLM``) only bind the config class.
+    """
+
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = False  # the depth masks are dense custom masks
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    family: Family = None
+
+    def __init__(self, config, backbone: nn.Module | None = None, lm_head: nn.Module | None = None):
+        super().__init__(config)
+        loop = config.loop_config
+        n_layers = config.num_hidden_layers
+        self._ranges = loop.layer_ranges(n_layers)
+        self._check_layer_types(config)
+        self.model = backbone if backbone is not None else self.family.backbone_cls(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = lm_head if lm_head is not None else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        H = config.hidden_size
+        self.updater = Updater(H, loop.updater_hidden or H, eps=config.rms_norm_eps)
+        self.halting = build_halting(H, loop)
+        self._loop_checkpointing = False
+        self._loop_checkpointing_kwargs: dict = {}
+        if backbone is not None:
+            # the reused modules are already trained: keep post_init's initializer off them
+            for m in [*self.model.modules(), *self.lm_head.modules()]:
+                m._is_hf_initialized = True
+        self.post_init()
+
+    # -- structure ---------------------------------------------------------------------------
+    @staticmethod
+    def _check_layer_types(config) -> None:
+        types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in types):
+            raise LoopConfigError(
+                f"only full-attention layers can be looped; this config has layer_types {sorted(set(types))} "
+                "(set use_sliding_window=False)"
+            )
+
+    @property
+    def loop(self) -> LoopConfig:
+        return self.config.loop_config
+
+    @property
+    def prelude_layers(self) -> list[nn.Module]:
+        return [self.model.layers[i] for i in self._ranges[0]]
+
+    @property
+    def core_layers(self) -> list[nn.Module]:
+        return [self.model.layers[i] for i in self._ranges[1]]
+
+    @property
+    def coda_layers(self) -> list[nn.Module]:
+        return [self.model.layers[i] for i in self._ranges[2]]
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def _init_weights(self, module):
+        if hasattr(module, "_retrofit_init"):
+            init_tagged(module, self.config.initializer_range)
+            return
+        super()._init_weights(module)
+
+    # -- activation checkpointing -------------------------------------------------------------
+    # transformers' per-layer checkpointing drops the `cache` argument of a layer that writes to it,
+    # which would silently turn duo-causal attention into same-depth-only attention. We checkpoint
+    # layers ourselves; our K/V store is idempotent under replay.
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+        self._loop_checkpointing = True
+        self._loop_checkpointing_kwargs = dict(gradient_checkpointing_kwargs or {})
+        self._loop_checkpointing_kwargs.setdefault("use_reentrant", False)
+        if self._loop_checkpointing_kwargs["use_reentrant"]:
+            warnings.warn("retrofit checkpoints layers with use_reentrant=False (keyword inputs, K/V store)")
+            self._loop_checkpointing_kwargs["use_reentrant"] = False
+        if getattr(self, "_hf_peft_config_loaded", False):
+            self.enable_input_require_grads()
+
+    activation_checkpointing_enable = gradient_checkpointing_enable
+
+    def gradient_checkpointing_disable(self):
+        self._loop_checkpointing = False
+
+    activation_checkpointing_disable = gradient_checkpointing_disable
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self._loop_checkpointing
+
+    def _run_layer(self, layer, x, mask, position_embeddings, position_ids, store, depth):
+        kwargs = dict(
+            attention_mask=mask,
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+            cache=store,
+            use_cache=False,
+            loop_depth=depth,
+        )
+        if self._loop_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(layer, x, **kwargs, **self._loop_checkpointing_kwargs)
+        return layer(x, **kwargs)
+
+    # -- readout ---------------------------------------------------------------------------------
+    def _readout(self, h, mask, pe, pos, store):
+        """Coda (if any) + final norm + LM head: ``[B, T, H]`` -> ``[B, T, V]``."""
+        for layer in self.coda_layers:
+            h = self._run_layer(layer, h, mask, pe, pos, store, 0)
+        return self.lm_head(self.model.norm(h))
+
+    # -- forward -----------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        depth: int | torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        output_depth_losses: bool = False,
+        output_depth_logits: bool = False,
+        **kwargs,
+    ) -> LoopedCausalLMOutput:
+        """Run the looped model on a full sequence.
+
+        Args:
+            input_ids: ``[B, T]``.
+            attention_mask: ``[B, T]`` 1 for real tokens, 0 for padding (left or right).
+            position_ids: ``[B, T]``; defaults to ``0 … T-1``. Resets to 0 mark packed sequences.
+            labels: ``[B, T]`` (shifted inside, -100 ignored) -> ``loss``.
+            depth: exit depth to force: an int for every token or a ``[B, T]`` tensor, each in
+                ``1 … max_depth``; ``None`` lets the halting method decide.
+            output_depth_losses: also return ``depth_nll`` (needs labels).
+            output_depth_logits: also return every depth's logits ``[D, B, T, V]``.
+
+        Returns:
+            ``LoopedCausalLMOutput``.
+        """
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        if cache is not None:
+            raise NotImplementedError(
+                "this forward runs full sequences; incremental decoding with a depth-aware cache "
+                "is handled by retrofit's generation path"
+            )
+        loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "shift_labels", "ignore_index")}
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.model.embed_tokens(input_ids)
+        B, T, H = inputs_embeds.shape
+        dev = inputs_embeds.device
+        loop = self.loop
+        D = loop.max_depth
+        if position_ids is None:
+            if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+            else:
+                position_ids = torch.arange(T, device=dev)[None].expand(B, T)
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(f"attention_mask must be a [B, T] padding mask, got shape {tuple(attention_mask.shape)}")
+
+        forced = self._forced_depths(depth, B, T, dev)
+        need_depth_losses = labels is not None and (output_depth_losses or (self.halting.needs_depth_readout and self.training))
+        need_readout = self.halting.needs_depth_readout or need_depth_losses or output_depth_logits
+        lookahead = need_depth_losses  # one gradient-free iteration past each exit (TaH2 §3)
+        mixture = self.halting.mixture_output
+
+        base_vis = base_visibility(B, T, dev, attention_mask, position_ids)
+        dtype = inputs_embeds.dtype
+        plain_mask = to_additive_mask(base_vis, dtype)
+        pe = self.model.rotary_emb(inputs_embeds, position_ids)
+        store = DepthKVStore()
+
+        x = inputs_embeds
+        for layer in self.prelude_layers:
+            x = self._run_layer(layer, x, plain_mask, pe, position_ids, store, 0)
+        e = x
+
+        ctx = self.halting.new_context(self.training)
+        planned = self.halting.plan(e, ctx)
+        exit_at = forced if forced is not None else planned  # [B, T] or None (online)
+
+        # active[j]: token executed depth j + 1; a list, since tensors saved for backward must not be
+        # modified in place
+        active: list[torch.Tensor] = [torch.ones(B, T, dtype=torch.bool, device=dev)]
+        h = None
+        states: list[torch.Tensor] = []
+        depth_nll = torch.full((B, T, D), float("nan"), device=dev) if need_depth_losses else None
+        depth_logits = [] if output_depth_logits else None
+        # streaming TaH2 mixture: log Σ_d π_d softmax(z_d), π_d known right after depth d's decision
+        log_mix = lse_exit = None
+        survive = torch.ones(B, T, device=dev)
+        z_exit = None
+        shift_labels = None
+        if labels is not None and need_depth_losses:
+            shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+
+        for d in range(1, D + 1):
+            act = active[d - 1]
+            x_in = e if d == 1 else self.updater(e, h)
+            vis = depth_key_visibility(torch.stack(active), d, loop.attention, base_vis)
+            mask = to_additive_mask(vis, dtype)
+            raw = x_in
+            for layer in self.core_layers:
+                raw = self._run_layer(layer, raw, mask, pe, position_ids, store, d)
+            h = raw if d == 1 else torch.where(act[..., None], raw, h)
+            states.append(h)
+
+            la = (~act) & active[d - 2] if (lookahead and d >= 2) else None
+            z = None
+            if need_readout:
+                z = self._readout(h, plain_mask, pe, position_ids, store)
+                if la is not None and bool(la.any()):
+                    with torch.no_grad():
+                        z_la = self._readout(torch.where(la[..., None], raw, h), plain_mask, pe, position_ids, store)
+                    z = torch.where(la[..., None], z_la, z)
+                if depth_logits is not None:
+                    keep = act if la is None else (act | la)
+                    depth_logits.append(z.masked_fill(~keep[..., None], float("nan")))
+                if need_depth_losses:
+                    nll = F.cross_entropy(z.float().flatten(0, 1), shift_labels.flatten(), reduction="none").view(B, T)
+                    keep = act if la is None else (act | la)
+                    depth_nll[..., d - 1] = torch.where(keep, nll.detach(), torch.full_like(nll, float("nan")))
+
+            # decide who continues to depth d + 1
+            if d < D:
+                probs = z.float().softmax(-1) if (z is not None and self.halting.needs_depth_readout) else None
+                cont = self.halting.step(d, e, h, probs, ctx)
+                if exit_at is not None:
+                    cont = exit_at > d
+                elif cont is None:
+                    cont = torch.ones_like(act)
+                active.append(act & cont)
+            stop_here = act & ~active[d] if d < D else act
+
+            if z is not None and self.halting.needs_depth_readout:
+                if mixture:
+                    c = ctx.signals[d - 1] if d <= len(ctx.signals) else None
+                    pi = survive if c is None else torch.where(stop_here, survive, survive * (1 - c))
+                    # clamp: a saturated c (= 1.0 in fp32) must not give log(0), whose backward is NaN
+                    log_pi = torch.where(act, pi.clamp_min(1e-30).log(), torch.full_like(pi, float("-inf")))
+                    term = log_pi[..., None] + z.float().log_softmax(-1)
+                    log_mix = term if log_mix is None else torch.logaddexp(log_mix, term)
+                    lse = z.float().logsumexp(-1)
+                    lse_exit = lse if lse_exit is None else torch.where(stop_here, lse, lse_exit)
+                    if c is not None:
+                        survive = survive * c
+                else:
+                    z_exit = z if z_exit is None else torch.where(stop_here[..., None], z, z_exit)
+
+            more = d < D and (bool(active[d].any()) or (lookahead and bool(stop_here.any())) or loop.fixed_graph)
+            if not more:
+                break
+
+        active_t = torch.stack(active)
+        depths = active_t.long().sum(0)
+        depth_probs, st = self.halting.distribution(ctx, depths)
+
+        if self.halting.needs_depth_readout:
+            logits = (log_mix + lse_exit[..., None]).to(z.dtype) if mixture else z_exit
+        else:
+            if st is not None:
+                while len(states) < D:
+                    states.append(states[-1])
+                final = sum(st[..., k, None].to(dtype) * states[k] for k in range(D))
+            else:
+                final = h
+            logits = self._readout(final, plain_mask, pe, position_ids, store)
+
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            logits = logits[:, -logits_to_keep:]
+        elif isinstance(logits_to_keep, torch.Tensor):
+            logits = logits[:, logits_to_keep]
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+
+        signals = torch.stack(ctx.signals, -1) if ctx.signals else None
+        return LoopedCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            depths=depths,
+            depth_probs=depth_probs,
+            halt_signals=signals,
+            depth_logits_q=ctx.extra.get("q_logits"),
+            depth_nll=depth_nll,
+            depth_logits=torch.stack(depth_logits) if depth_logits else None,
+            active=active_t,
+        )
+
+    def _forced_depths(self, depth, B, T, dev):
+        if depth is None:
+            return None
+        D = self.loop.max_depth
+        if isinstance(depth, int) and not isinstance(depth, bool):
+            if not 1 <= depth <= D:
+                raise ValueError(f"depth={depth} is out of range: allowed 1..{D} (max_depth)")
+            return torch.full((B, T), depth, dtype=torch.long, device=dev)
+        if isinstance(depth, torch.Tensor):
+            if depth.shape != (B, T):
+                raise ValueError(f"a depth tensor must have shape [B, T] = {(B, T)}, got {tuple(depth.shape)}")
+            depth = depth.to(dev).long()
+            if bool((depth < 1).any()) or bool((depth > D).any()):
+                raise ValueError(f"depth values must lie in 1..{D} (max_depth); got min {int(depth.min())}, max {int(depth.max())}")
+            return depth
+        raise TypeError(f"depth must be None, an int or a [B, T] LongTensor, got {type(depth).__name__}")
+
+
+class LoopedLlamaForCausalLM(LoopedForCausalLM, GenerationMixin):
+    config_class = LoopedLlamaConfig
+    family = FAMILIES["llama"]
+    _no_split_modules = ["LlamaDecoderLayer"]
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+class LoopedQwen3ForCausalLM(LoopedForCausalLM, GenerationMixin):
+    config_class = LoopedQwen3Config
+    family = FAMILIES["qwen3"]
+    _no_split_modules = ["Qwen3DecoderLayer"]
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+LOOPED_CLASSES: dict[str, tuple[type, type]] = {
+    "llama": (LoopedLlamaConfig, LoopedLlamaForCausalLM),
+    "qwen3": (LoopedQwen3Config, LoopedQwen3ForCausalLM),
+}
