@@ -1,0 +1,58 @@
+"""The ``retrofit`` command: one subcommand per capability, each implemented in its own module.
+
+Every subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; this file only
+dispatches (one explicit table, imported lazily so ``retrofit --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "convert": ("retrofit.cli_convert", "convert a base checkpoint (hub id, folder or GGUF) into an untrained looped checkpoint"),
+    "export": ("retrofit.export", "export a looped checkpoint as a self-contained Hub folder (optionally push it)"),
+    "generate": ("retrofit.cli_generate", "generate text with per-token adaptive depth; show each token's exit depth"),
+    "eval": ("retrofit.evaluation.runner", "complexity-controlled evaluation: accuracy and depth per difficulty level"),
+    "bench": ("retrofit.cli_bench", "run the speed/memory benchmarks and print JSON"),
+    "params": ("retrofit.cli_params", "report the heads' parameter share at real model shapes (meta device)"),
+}
+
+
+def build_parser(load: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="retrofit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if load:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # top-level --help must not import every subcommand's dependencies
+    load = not (len(argv) == 0 or argv[0] in ("-h", "--help"))
+    if load and argv[0] in SUBCOMMANDS:
+        parser = argparse.ArgumentParser(prog="retrofit")
+        sub = parser.add_subparsers(dest="command")
+        module, help_ = SUBCOMMANDS[argv[0]]
+        p = sub.add_parser(argv[0], help=help_, description=help_)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    else:
+        parser = build_parser(load=False)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

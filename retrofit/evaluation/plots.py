@@ -1,0 +1,415 @@
+"""Plots for complexity-controlled evaluation (METHODS.md §3, §7).
+
+Each function writes one PNG and returns its path. Figures are built with
+:class:`matplotlib.figure.Figure` and rendered by the Agg canvas directly, never through
+``pyplot``: no global state, no GUI backend, no ``plt.show``, safe inside training jobs and
+threads, and independent of the caller's ``matplotlib.use`` choice.
+
+Series for several models are passed as ``dict[name -> series]``; one model is a dict with one
+entry. Difficulty levels may be numbers (operator count L, node count N, input size n) or
+labels ("MAIN", "P1", "P2"). Numeric-looking string keys (as they come back from JSON) are
+treated as numbers so the x-axis keeps its spacing; otherwise levels are evenly spaced in the
+order they first appear.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from retrofit.evaluation.metrics import loss_change_stats
+
+__all__ = [
+    "plot_accuracy_vs_compute",
+    "plot_accuracy_vs_difficulty",
+    "plot_depth_vs_difficulty",
+    "plot_loss_change_histogram",
+]
+
+_DPI = 120
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "h")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _new_figure(figsize: tuple[float, float] = (6.4, 4.2)) -> tuple[Figure, Any]:
+    fig = Figure(figsize=figsize, dpi=_DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _save(fig: Figure, path: str | os.PathLike) -> str:
+    path = os.fspath(path)
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=_DPI)
+    return path
+
+
+def _as_number(v: Any) -> float | None:
+    """Level as a float if it is numeric (or a numeric string), else None."""
+    if isinstance(v, bool):
+        return None
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _level_positions(levels: Iterable[Hashable]) -> tuple[dict[Hashable, float], bool]:
+    """Map each level to an x position; numeric levels keep their value."""
+    levels = list(dict.fromkeys(levels))
+    nums = [_as_number(v) for v in levels]
+    if levels and all(x is not None for x in nums):
+        return {lvl: x for lvl, x in zip(levels, nums)}, True
+    return {lvl: float(i) for i, lvl in enumerate(levels)}, False
+
+
+def _finite(v: Any) -> bool:
+    return v is not None and isinstance(v, (int, float, np.number)) and math.isfinite(float(v))
+
+
+def _level_series(
+    ax: Any, series_by_model: Mapping[str, Mapping[Hashable, Any]]
+) -> dict[Hashable, float]:
+    """Draw one line per model over difficulty levels; return the level -> x mapping."""
+    all_levels = [lvl for series in series_by_model.values() for lvl in series]
+    pos, numeric = _level_positions(all_levels)
+    for i, (name, series) in enumerate(series_by_model.items()):
+        pts = sorted(
+            ((pos[lvl], float(v)) for lvl, v in series.items() if _finite(v)),
+            key=lambda p: p[0],
+        )
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], label=str(name), linewidth=1.6)
+    if not numeric:
+        ax.set_xticks(list(pos.values()))
+        ax.set_xticklabels([str(lvl) for lvl in pos], rotation=0)
+    elif len(pos) <= 20:
+        ax.set_xticks(sorted(set(pos.values())))
+        ax.set_xticklabels([_fmt_level(x) for x in sorted(set(pos.values()))])
+    return pos
+
+
+def _fmt_level(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _finish_legend(ax: Any) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(fontsize=8, loc="best", framealpha=0.85)
+
+
+# ----------------------------------------------------------------------------------------------
+# difficulty plots
+# ----------------------------------------------------------------------------------------------
+
+
+def plot_depth_vs_difficulty(
+    levels_by_model: Mapping[str, Mapping[Hashable, float]],
+    path: str | os.PathLike,
+    max_depth: int | None = None,
+    title: str = "Mean exit depth vs difficulty",
+    xlabel: str = "difficulty level",
+) -> str:
+    """Mean allocated depth d̄ per difficulty level, one line per model.
+
+    Args:
+        levels_by_model: ``{model name: {level: mean depth}}``; NaN/None values are skipped.
+        path: output PNG path (parent directories are created).
+        max_depth: D; if given, drawn as a dashed reference line and the y-axis spans 1..D.
+        title: figure title.
+        xlabel: x-axis label (e.g. "operators L", "nodes N").
+
+    Returns:
+        ``path`` as a string.
+    """
+    fig, ax = _new_figure()
+    _level_series(ax, levels_by_model)
+    if max_depth is not None:
+        ax.axhline(
+            max_depth, color="0.4", linestyle="--", linewidth=1, label=f"max depth D = {max_depth}"
+        )
+        ax.set_ylim(0.8, max_depth + 0.3)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("mean exit depth d̄")
+    ax.set_title(title)
+    _finish_legend(ax)
+    return _save(fig, path)
+
+
+def plot_accuracy_vs_difficulty(
+    acc_by_model: Mapping[str, Mapping[Hashable, float]],
+    path: str | os.PathLike,
+    train_levels: Iterable[Hashable] = (),
+    title: str = "Accuracy vs difficulty",
+    xlabel: str = "difficulty level",
+) -> str:
+    """Accuracy per difficulty level, one line per model, training levels shaded.
+
+    Levels in ``train_levels`` are shaded in grey (one band per run of adjacent training
+    levels, with a "training levels" legend entry), so interpolation (unshaded levels between
+    bands) and extrapolation (unshaded levels outside) are visible at a glance.
+
+    Args:
+        acc_by_model: ``{model name: {level: accuracy in [0, 1]}}``.
+        path: output PNG path.
+        train_levels: the levels seen in training (same keys as in ``acc_by_model``; numeric
+            strings and numbers are matched by value).
+        title: figure title.
+        xlabel: x-axis label.
+
+    Returns:
+        ``path`` as a string.
+    """
+    fig, ax = _new_figure()
+    pos = _level_series(ax, acc_by_model)
+    train = list(train_levels)
+    if train:
+        # Match training levels to plotted positions by value (1 == "1" == 1.0).
+        by_value: dict[Any, float] = {}
+        for lvl, x in pos.items():
+            by_value[lvl] = x
+            num = _as_number(lvl)
+            if num is not None:
+                by_value[num] = x
+        matched = (by_value.get(t, by_value.get(_as_number(t))) for t in train)
+        xs_train = sorted({x for x in matched if x is not None})
+        xs_all = sorted(set(pos.values()))
+        if xs_train:
+            gaps = np.diff(xs_all)
+            half = float(gaps.min()) / 2 if gaps.size else 0.5
+            labelled = False
+            for x in xs_train:
+                ax.axvspan(
+                    x - half,
+                    x + half,
+                    color="0.55",
+                    alpha=0.18,
+                    linewidth=0,
+                    label=None if labelled else "training levels",
+                )
+                labelled = True
+            ax.set_xlim(min(xs_all + xs_train) - half, max(xs_all + xs_train) + half)
+    values = [float(v) for s in acc_by_model.values() for v in s.values() if _finite(v)]
+    if values and max(values) <= 1.0 and min(values) >= 0.0:
+        ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    _finish_legend(ax)
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# test-time scaling
+# ----------------------------------------------------------------------------------------------
+
+_FORCED_LABEL = re.compile(r"^\s*(?:d|depth|forced|D)?\s*[=:]?\s*(\d+)\s*$", re.IGNORECASE)
+
+
+def _is_forced(label: Any) -> bool:
+    if isinstance(label, (int, np.integer)) and not isinstance(label, bool):
+        return True
+    return isinstance(label, str) and bool(_FORCED_LABEL.match(label))
+
+
+def plot_accuracy_vs_compute(
+    points_by_model: Mapping[str, Sequence[tuple[float, float, Any]]],
+    path: str | os.PathLike,
+    title: str = "Test-time scaling: accuracy vs compute",
+    xlabel: str = "compute (mean core depth per token)",
+    logx: bool = False,
+) -> str:
+    """Test-time scaling curve: accuracy vs compute, forced depths joined, adaptive points starred.
+
+    Each point is ``(compute, accuracy, label)``. A point whose label is an integer or a string
+    like ``"3"``, ``"d=3"``, ``"depth 3"`` is a *forced-depth* point; those of one model are
+    joined by a line in order of compute. Any other label (``"adaptive"``, ``"tah2 τ=0.5"``,
+    ``"kl<1e-3"``) is drawn as a star in the model's colour. Every point is annotated with its
+    label.
+
+    Args:
+        points_by_model: ``{model name: [(compute, accuracy, label), ...]}``. Compute may be
+            mean depth, layer passes or a FLOPs ratio; say which in ``xlabel``.
+        path: output PNG path.
+        title: figure title.
+        xlabel: x-axis label.
+        logx: log2 x-axis (TaH2 reports gains per doubling of decode FLOPs).
+
+    Returns:
+        ``path`` as a string.
+    """
+    fig, ax = _new_figure((6.8, 4.4))
+    prop_colors = [c["color"] for c in _color_cycle()]
+    for i, (name, points) in enumerate(points_by_model.items()):
+        color = prop_colors[i % len(prop_colors)]
+        forced = sorted(
+            (
+                (float(c), float(a), lab)
+                for c, a, lab in points
+                if _finite(c) and _finite(a) and _is_forced(lab)
+            ),
+            key=lambda p: p[0],
+        )
+        other = [
+            (float(c), float(a), lab)
+            for c, a, lab in points
+            if _finite(c) and _finite(a) and not _is_forced(lab)
+        ]
+        if forced:
+            xs, ys, _ = zip(*forced)
+            ax.plot(
+                xs,
+                ys,
+                marker=_MARKERS[i % len(_MARKERS)],
+                color=color,
+                label=f"{name} (forced depth)",
+            )
+        if other:
+            xs, ys, _ = zip(*other)
+            ax.scatter(
+                xs,
+                ys,
+                marker="*",
+                s=160,
+                color=color,
+                edgecolor="black",
+                linewidth=0.6,
+                zorder=3,
+                label=f"{name} (adaptive)" if forced else str(name),
+            )
+        for c, a, lab in forced + other:
+            ax.annotate(
+                str(lab), (c, a), textcoords="offset points", xytext=(4, 5), fontsize=7, color=color
+            )
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    _finish_legend(ax)
+    return _save(fig, path)
+
+
+def _color_cycle() -> list[dict[str, Any]]:
+    from matplotlib import rcParams
+
+    return list(rcParams["axes.prop_cycle"])
+
+
+# ----------------------------------------------------------------------------------------------
+# loss change
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_loss_stats(obj: Any, tol: float) -> dict[str, Any]:
+    if isinstance(obj, Mapping) and "counts" in obj and "bin_edges" in obj:
+        return dict(obj)
+    # Δ values: reuse loss_change_stats with loss_first = 0, loss_last = Δ.
+    deltas = np.asarray(
+        obj.detach().cpu().float() if hasattr(obj, "detach") else obj, dtype=np.float64
+    )
+    return loss_change_stats(np.zeros_like(deltas), deltas, tol=tol)
+
+
+def _pct(x: Any) -> str:
+    return f"{100 * float(x):.1f}%" if _finite(x) else "n/a"
+
+
+def plot_loss_change_histogram(
+    stats_or_deltas: Any,
+    path: str | os.PathLike,
+    tol: float = 1e-3,
+    title: str = "First-vs-last depth loss change Δ = ℓ(D) − ℓ(1)",
+    log_y: bool = False,
+) -> str:
+    """Histogram of the per-token loss change with the "unchanged" band marked (METHODS.md §3).
+
+    Args:
+        stats_or_deltas: one of
+            * a dict from :func:`~retrofit.evaluation.metrics.loss_change_stats`;
+            * an array/tensor of Δ values (stats computed here with ``tol``);
+            * ``{model name: stats dict or Δ array}`` for several models (overlaid as step
+              histograms; shares go into the legend instead of the title).
+        path: output PNG path.
+        tol: the |Δ| <= tol band (used when Δ values are given; a stats dict carries its own).
+        title: figure title; for one model the shares are appended on a second line.
+        log_y: logarithmic y-axis (the Δ = 0 spike often dwarfs the tails).
+
+    Returns:
+        ``path`` as a string.
+    """
+    single = not (isinstance(stats_or_deltas, Mapping) and "counts" not in stats_or_deltas)
+    models = {"": stats_or_deltas} if single else dict(stats_or_deltas)
+    stats = {name: _as_loss_stats(obj, tol) for name, obj in models.items()}
+    fig, ax = _new_figure((6.8, 4.4))
+    band_tol = max(float(s.get("tol", tol)) for s in stats.values()) if stats else tol
+    for name, s in stats.items():
+        edges = np.asarray(s["bin_edges"], dtype=np.float64)
+        counts = np.asarray(s["counts"], dtype=np.float64)
+        total = counts.sum()
+        share = counts / total if total > 0 else counts
+        if single:
+            ax.bar(
+                edges[:-1],
+                share,
+                width=np.diff(edges),
+                align="edge",
+                color="tab:blue",
+                alpha=0.8,
+                edgecolor="white",
+                linewidth=0.3,
+                label="tokens",
+            )
+        else:
+            label = (
+                f"{name}: unchanged {_pct(s['share_unchanged'])}, worse {_pct(s['share_worse'])}, "
+                f"improved {_pct(s['share_improved'])}"
+            )
+            ax.stairs(share, edges, label=label, linewidth=1.5)
+    # The band is far narrower than a bin; draw it at least a few pixels wide plus a centre line.
+    ax.axvspan(-band_tol, band_tol, color="gold", alpha=0.5, linewidth=0)
+    ax.axvline(
+        0.0,
+        color="0.2",
+        linestyle="--",
+        linewidth=1.0,
+        label=f"unchanged band |Δ| ≤ {band_tol:g}",
+    )
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel("Δ loss (nats; > 0: worse after the extra iterations)")
+    ax.set_ylabel("share of tokens")
+    if single:
+        s = next(iter(stats.values()))
+        title = (
+            f"{title}\nunchanged {_pct(s['share_unchanged'])} · worse {_pct(s['share_worse'])}"
+            f" · improved {_pct(s['share_improved'])} (n = {s.get('n', int(sum(s['counts'])))})"
+        )
+    ax.set_title(title, fontsize=10)
+    _finish_legend(ax)
+    return _save(fig, path)

@@ -1,0 +1,532 @@
+"""Evaluation reports: atomic JSON, a Markdown report and a terminal summary table.
+
+Results schema
+--------------
+One nested dict, produced by the evaluation driver and consumed here. Every key is optional:
+a missing section (or a section whose values are all missing) is skipped, never an error.
+Levels, depths and policies may be ints or strings (JSON turns keys into strings; numeric
+strings are sorted numerically). Accuracies are fractions in [0, 1] (shown as percentages).
+
+.. code-block:: text
+
+    results = {
+      "config": {key: value, ...},                  # shown as a bullet list (run settings)
+      "models": {
+        model_name: {                               # e.g. "base", "looped-fixed", "tah2"
+          "max_depth": D,                           # optional, default for its tasks
+          "tasks": {
+            task_name: {                            # e.g. "mano", "brevo", "gsm-symbolic"
+              "max_depth": D,                       # optional
+              "levels": {                           # per difficulty level (§7)
+                level: {
+                  "accuracy": float,                # in [0, 1]
+                  "accuracy_se": float,             # optional binomial standard error
+                  "mean_depth": float,              # d̄ (absent for non-looped models)
+                  "cost_exec": int,                 # Σ_d |A_d| (metrics.cost_exec)
+                  "saving": float,                  # d̄ / D
+                  "n": int,                         # examples at this level
+                  "split": "train"|"interp"|"extrap",  # optional
+                },
+              },
+              "forced_depth_accuracy": {d: accuracy},          # test-time scaling, d = 1..D
+              "exit_policies": {                               # learned vs training-free exits
+                policy: {"accuracy": float, "mean_depth": float, "saving": float (optional)},
+              },
+              "spearman": {proxy: rho | {"rho": float, "n": int}},
+              "regression": regression_dict | {name: regression_dict},
+                  # regression_dict = metrics.linear_regression / regression_with_control output:
+                  # {"coefficients": {feature: b}, "intercept", "r2", "r2_controls"?, "n"}
+              "loss_change": metrics.loss_change_stats output,
+            },
+          },
+        },
+      },
+    }
+
+Functions:
+    write_json              Atomic JSON writer that understands NumPy / torch values.
+    write_markdown_report   The human-readable report with tables and embedded plots.
+    summary_table           A ``rich`` table of accuracy and depth per model, task and level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import PurePath
+from typing import Any
+
+__all__ = ["summary_table", "to_jsonable", "write_json", "write_markdown_report"]
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_tensor(o: Any) -> bool:
+    return type(o).__module__.startswith("torch") and hasattr(o, "detach") and hasattr(o, "tolist")
+
+
+def _is_numpy(o: Any) -> bool:
+    return type(o).__module__.startswith("numpy")
+
+
+def _json_key(k: Any, loc: str) -> str:
+    if _is_numpy(k) or _is_tensor(k):
+        k = k.item()
+    if isinstance(k, str):
+        return k
+    if isinstance(k, bool):
+        return "true" if k else "false"
+    if isinstance(k, (int, float)):
+        return str(k)
+    if k is None:
+        return "null"
+    raise TypeError(
+        f"write_json: dict key {k!r} of type {type(k).__name__} at {loc} is not a JSON key"
+    )
+
+
+def to_jsonable(obj: Any, _loc: str = "$") -> Any:
+    """Convert ``obj`` into plain JSON-compatible Python values.
+
+    Handles dicts (keys stringified like ``json`` does), lists/tuples/sets, NumPy arrays and
+    scalars, torch tensors (any device/dtype, via ``.tolist()``), dataclasses, enums and paths.
+    Non-finite floats (NaN, ±inf) become ``None`` (JSON ``null``): strict JSON has no NaN.
+
+    Raises:
+        TypeError: naming the type and the location (``$.models.x.tasks``) of the first value
+            that cannot be converted.
+    """
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return float(obj) if math.isfinite(obj) else None
+    if _is_tensor(obj):
+        obj = obj.detach().cpu()
+        return to_jsonable(obj.item() if obj.dim() == 0 else obj.tolist(), _loc)
+    if _is_numpy(obj) and hasattr(obj, "tolist"):
+        return to_jsonable(obj.tolist(), _loc)
+    if isinstance(obj, Mapping):
+        return {_json_key(k, _loc): to_jsonable(v, f"{_loc}.{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v, f"{_loc}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, (set, frozenset)):
+        items = list(obj)
+        try:
+            items.sort()
+        except TypeError:
+            items.sort(key=repr)
+        return [to_jsonable(v, f"{_loc}[{i}]") for i, v in enumerate(items)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return to_jsonable(dataclasses.asdict(obj), _loc)
+    if isinstance(obj, enum.Enum):
+        return to_jsonable(obj.value, _loc)
+    if isinstance(obj, PurePath):
+        return str(obj)
+    raise TypeError(
+        f"write_json: object of type {type(obj).__name__} at {_loc} is not JSON serializable"
+    )
+
+
+def _atomic_write_text(text: str, path: str | os.PathLike) -> str:
+    """Write ``text`` to a temporary file next to ``path``, fsync, then ``os.replace``."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_json(obj: Any, path: str | os.PathLike, indent: int = 2) -> str:
+    """Serialize ``obj`` to strict JSON at ``path`` atomically.
+
+    The whole document is serialized in memory first (see :func:`to_jsonable`), then written
+    to a temporary file in the same directory and moved over ``path`` with ``os.replace``; a
+    failure at any point leaves a previous file at ``path`` untouched and no partial file.
+
+    Args:
+        obj: results (dicts, lists, NumPy/torch values, ...).
+        path: destination; parent directories are created.
+        indent: JSON indentation.
+
+    Returns:
+        ``path`` as a string.
+
+    Raises:
+        TypeError: if a value cannot be converted (the message names its type and location).
+    """
+    text = json.dumps(to_jsonable(obj), indent=indent, allow_nan=False, ensure_ascii=False) + "\n"
+    return _atomic_write_text(text, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# formatting helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _num(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    if _is_numpy(v) or _is_tensor(v):
+        try:
+            v = v.item()
+        except (ValueError, RuntimeError):
+            return None
+    if isinstance(v, (int, float)) and math.isfinite(float(v)):
+        return float(v)
+    return None
+
+
+def _pct(v: Any, digits: int = 1) -> str:
+    x = _num(v)
+    return "–" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    x = _num(v)
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _int(v: Any) -> str:
+    x = _num(v)
+    return "–" if x is None else f"{int(round(x)):,}"
+
+
+def _md(s: Any) -> str:
+    """Escape a value for a Markdown table cell."""
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[str]], n_text: int = 1) -> list[str]:
+    """Markdown table; the first ``n_text`` columns are left-aligned, the rest (numbers) right."""
+    lines = ["| " + " | ".join(_md(h) for h in header) + " |"]
+    lines.append("|" + "|".join("---" if i < n_text else "---:" for i in range(len(header))) + "|")
+    lines += ["| " + " | ".join(_md(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _sort_keys(keys: list[Any]) -> list[Any]:
+    """Union order of first appearance, deduplicated by string form (4 and "4" are one key,
+    as after a JSON round trip); numeric (or numeric-string) keys sorted by value."""
+    keys = list({str(k): k for k in reversed(keys)}.values())[::-1]
+    values: list[float] = []
+    for k in keys:
+        if isinstance(k, bool):
+            return keys
+        try:
+            values.append(float(k))
+        except (TypeError, ValueError):
+            return keys
+    order = sorted(range(len(keys)), key=lambda i: values[i])
+    return [keys[i] for i in order]
+
+
+def _get(d: Any, key: str) -> Any:
+    return d.get(key) if isinstance(d, Mapping) else None
+
+
+def _models(results: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    models = _get(results, "models")
+    return (
+        {str(k): v for k, v in models.items() if isinstance(v, Mapping)}
+        if isinstance(models, Mapping)
+        else {}
+    )
+
+
+def _tasks(models: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    names: list[str] = []
+    for m in models.values():
+        tasks = _get(m, "tasks")
+        if isinstance(tasks, Mapping):
+            names += [str(t) for t in tasks]
+    return list(dict.fromkeys(names))
+
+
+def _task(model: Mapping[str, Any], task: str) -> Mapping[str, Any]:
+    tasks = _get(model, "tasks")
+    if not isinstance(tasks, Mapping):
+        return {}
+    for k, v in tasks.items():
+        if str(k) == task and isinstance(v, Mapping):
+            return v
+    return {}
+
+
+def _section(model_task: Mapping[str, Any], key: str) -> Mapping[Any, Any]:
+    v = model_task.get(key)
+    return v if isinstance(v, Mapping) and v else {}
+
+
+def _lookup(mapping: Mapping[Any, Any], key: Any) -> Any:
+    """``mapping[key]`` matching 3 == "3" (JSON round trips stringify keys)."""
+    if key in mapping:
+        return mapping[key]
+    for k, v in mapping.items():
+        if str(k) == str(key):
+            return v
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Markdown report
+# ----------------------------------------------------------------------------------------------
+
+
+def _levels_table(task: str, models: dict[str, Mapping[str, Any]]) -> list[str]:
+    per_model = {name: _section(_task(m, task), "levels") for name, m in models.items()}
+    per_model = {k: v for k, v in per_model.items() if v}
+    if not per_model:
+        return []
+    levels = _sort_keys([lvl for lv in per_model.values() for lvl in lv])
+
+    def has(name: str, key: str) -> bool:
+        return any(_num(_get(_lookup(per_model[name], lvl), key)) is not None for lvl in levels)
+
+    has_split = any(_get(_lookup(lv, lvl), "split") for lv in per_model.values() for lvl in levels)
+    # (header, model, key, formatter): accuracies of all models side by side, then depth columns.
+    cols: list[tuple[str, str, str, Any]] = [
+        (f"acc ({name})", name, "accuracy", _pct) for name in per_model
+    ]
+    for name in per_model:
+        if has(name, "mean_depth"):
+            cols.append((f"d̄ ({name})", name, "mean_depth", _fmt))
+        if has(name, "saving"):
+            cols.append((f"d̄/D ({name})", name, "saving", _fmt))
+        if has(name, "cost_exec"):
+            cols.append((f"Cost_exec ({name})", name, "cost_exec", _int))
+    header = ["level"] + (["split"] if has_split else []) + ["n"] + [c[0] for c in cols]
+    n_text = 2 if has_split else 1
+    rows = []
+    for lvl in levels:
+        entries = {name: _lookup(lv, lvl) for name, lv in per_model.items()}
+        row = [str(lvl)]
+        if has_split:
+            row.append(str(next((e["split"] for e in entries.values() if _get(e, "split")), "")))
+        n = next((_get(e, "n") for e in entries.values() if _num(_get(e, "n")) is not None), None)
+        row.append(_int(n))
+        for _, name, key, fmt in cols:
+            cell = fmt(_get(entries[name], key))
+            se = _num(_get(entries[name], "accuracy_se")) if key == "accuracy" else None
+            if se is not None and cell != "–":
+                cell += f" ± {100 * se:.1f}"
+            row.append(cell)
+        rows.append(row)
+    return ["### Accuracy and depth by difficulty level", ""] + _table(header, rows, n_text)
+
+
+def _scaling_table(task: str, models: dict[str, Mapping[str, Any]]) -> list[str]:
+    per_model = {n: _section(_task(m, task), "forced_depth_accuracy") for n, m in models.items()}
+    per_model = {k: v for k, v in per_model.items() if v}
+    if not per_model:
+        return []
+    depths = _sort_keys([d for v in per_model.values() for d in v])
+    rows = [[str(d)] + [_pct(_lookup(v, d)) for v in per_model.values()] for d in depths]
+    return ["### Test-time scaling (forced depth)", ""] + _table(
+        ["forced depth"] + [f"acc ({n})" for n in per_model], rows
+    )
+
+
+def _policies_table(task: str, models: dict[str, Mapping[str, Any]]) -> list[str]:
+    rows = []
+    for name, m in models.items():
+        for policy, p in _section(_task(m, task), "exit_policies").items():
+            p = p if isinstance(p, Mapping) else {"accuracy": p}
+            rows.append(
+                [
+                    name,
+                    str(policy),
+                    _pct(p.get("accuracy")),
+                    _fmt(p.get("mean_depth")),
+                    _fmt(p.get("saving")),
+                ]
+            )
+    if not rows:
+        return []
+    return ["### Exit policies", ""] + _table(
+        ["model", "policy", "accuracy", "d̄", "d̄/D"], rows, n_text=2
+    )
+
+
+def _regressions(reg: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    if "coefficients" in reg:
+        return {"": reg}
+    return {str(k): v for k, v in reg.items() if isinstance(v, Mapping) and "coefficients" in v}
+
+
+def _correlation_section(task: str, models: dict[str, Mapping[str, Any]]) -> list[str]:
+    out: list[str] = []
+    rows = []
+    for name, m in models.items():
+        for proxy, v in _section(_task(m, task), "spearman").items():
+            rho = _get(v, "rho") if isinstance(v, Mapping) else v
+            n = _get(v, "n") if isinstance(v, Mapping) else None
+            rows.append([name, str(proxy), _fmt(rho, 3), _int(n)])
+    if rows:
+        out += ["**Spearman correlation of per-token depth with difficulty proxies**", ""]
+        out += _table(["model", "proxy", "ρ", "n"], rows, n_text=2)
+    reg_rows = []
+    fit_rows = []
+    for name, m in models.items():
+        for reg_name, reg in _regressions(_section(_task(m, task), "regression")).items():
+            label = f"{name} {reg_name}".strip()
+            coefs = reg.get("coefficients") or {}
+            for feat, b in coefs.items():
+                reg_rows.append([label, str(feat), _fmt(b, 3)])
+            fit_rows.append(
+                [label, _fmt(reg.get("r2"), 3), _fmt(reg.get("r2_controls"), 3), _int(reg.get("n"))]
+            )
+    if reg_rows or fit_rows:
+        out += ["**Linear regression of per-token depth on features**", ""]
+        out += _table(["model", "feature", "coefficient"], reg_rows, n_text=2) if reg_rows else []
+        out += _table(["model", "R²", "R² (controls only)", "n"], fit_rows)
+    return (["### Depth–difficulty correlation and regression", ""] + out) if out else []
+
+
+def _loss_change_section(task: str, models: dict[str, Mapping[str, Any]]) -> list[str]:
+    rows = []
+    for name, m in models.items():
+        s = _section(_task(m, task), "loss_change")
+        if s:
+            tol = _num(s.get("tol"))
+            rows.append(
+                [
+                    name,
+                    "–" if tol is None else f"{tol:g}",
+                    _pct(s.get("share_unchanged")),
+                    _pct(s.get("share_worse")),
+                    _pct(s.get("share_improved")),
+                    _fmt(s.get("mean_delta"), 4),
+                    _int(s.get("n")),
+                ]
+            )
+    if not rows:
+        return []
+    return ["### First-vs-last depth loss change", ""] + _table(
+        ["model", "tol", "unchanged", "worse", "improved", "mean Δ", "tokens"], rows
+    )
+
+
+def write_markdown_report(
+    results: Mapping[str, Any],
+    path: str | os.PathLike,
+    plots: Mapping[str, str | os.PathLike] | None = None,
+    title: str = "Retrofit evaluation report",
+) -> str:
+    """Write a readable Markdown report of ``results`` (schema in the module docstring).
+
+    Sections (each skipped when its data is missing): run configuration; per task: accuracy,
+    d̄, d̄/D and Cost_exec per level (one column per model); test-time scaling by forced depth;
+    exit-policy comparison; Spearman correlations and regressions; first-vs-last loss change;
+    finally the plots, embedded as images.
+
+    Args:
+        results: the results dict.
+        path: output ``.md`` path; written atomically.
+        plots: ``{caption: image path}``; absolute paths (or paths relative to the current
+            directory that exist) are rewritten relative to the report's directory so the
+            links work wherever the report folder is moved.
+        title: top heading.
+
+    Returns:
+        ``path`` as a string.
+    """
+    path = os.fspath(path)
+    report_dir = os.path.dirname(os.path.abspath(path))
+    lines = [f"# {title}", ""]
+    config = _get(results, "config")
+    if isinstance(config, Mapping) and config:
+        lines += ["## Configuration", ""]
+        for k, v in config.items():
+            val = (
+                v
+                if isinstance(v, (str, int, float, bool)) or v is None
+                else json.dumps(to_jsonable(v))
+            )
+            lines.append(f"- **{k}**: {val}")
+        lines.append("")
+    models = _models(results)
+    tasks = _tasks(models)
+    if not tasks:
+        lines += ["_No task results._", ""]
+    for task in tasks:
+        body = (
+            _levels_table(task, models)
+            + _scaling_table(task, models)
+            + _policies_table(task, models)
+            + _correlation_section(task, models)
+            + _loss_change_section(task, models)
+        )
+        lines += [f"## Task: {task}", ""] + (body or ["_No results for this task._", ""])
+    if plots:
+        lines += ["## Plots", ""]
+        for caption, p in plots.items():
+            p = os.fspath(p)
+            if os.path.isabs(p):
+                p = os.path.relpath(p, report_dir)
+            elif os.path.exists(p) and not os.path.exists(os.path.join(report_dir, p)):
+                p = os.path.relpath(os.path.abspath(p), report_dir)
+            p = p.replace(os.sep, "/")
+            lines += [f"### {caption}", "", f"![{caption}]({p.replace(' ', '%20')})", ""]
+    return _atomic_write_text("\n".join(lines).rstrip() + "\n", path)
+
+
+# ----------------------------------------------------------------------------------------------
+# terminal
+# ----------------------------------------------------------------------------------------------
+
+
+def summary_table(results: Mapping[str, Any], title: str = "Evaluation summary") -> Any:
+    """A ``rich.table.Table`` with one row per (model, task, level).
+
+    Columns: model, task, level, n, accuracy, d̄, d̄/D. Print it with
+    ``rich.console.Console().print(summary_table(results))``.
+    """
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col, kw in (
+        ("model", {}),
+        ("task", {}),
+        ("level", {"justify": "right"}),
+        ("n", {"justify": "right"}),
+        ("accuracy", {"justify": "right"}),
+        ("d̄", {"justify": "right"}),
+        ("d̄/D", {"justify": "right"}),
+    ):
+        table.add_column(col, **kw)
+    models = _models(results)
+    for task in _tasks(models):
+        for name, m in models.items():
+            levels = _section(_task(m, task), "levels")
+            for lvl in _sort_keys(list(levels)):
+                e = _lookup(levels, lvl)
+                table.add_row(
+                    name,
+                    task,
+                    str(lvl),
+                    _int(_get(e, "n")),
+                    _pct(_get(e, "accuracy")),
+                    _fmt(_get(e, "mean_depth")),
+                    _fmt(_get(e, "saving")),
+                )
+    return table

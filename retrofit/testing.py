@@ -1,0 +1,79 @@
+"""Tiny random models and a character tokenizer, built in code, for tests, benchmarks and dry runs.
+
+Nothing here touches the network. ``tiny_base("llama")`` / ``tiny_base("qwen3")`` return a small
+random ``LlamaForCausalLM`` / ``Qwen3ForCausalLM``; ``char_tokenizer()`` returns a
+``PreTrainedTokenizerFast`` over printable ASCII with a ChatML-style chat template that carries
+``{% generation %}`` markers (TRL's ``assistant_only_loss`` needs them).
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+CHARS = list(string.printable)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer (``vocab_size`` = 4 specials + 100 printable characters)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", eos_token="<|im_end|>", bos_token="<|im_start|>", unk_token="<unk>"
+    )
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+TINY_SHAPES = dict(
+    vocab_size=len(SPECIAL_TOKENS) + len(CHARS),
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=True,
+)
+
+
+def tiny_config(family: str = "llama", **overrides):
+    fields = {**TINY_SHAPES, **overrides}
+    if family == "llama":
+        return LlamaConfig(**fields)
+    if family == "qwen3":
+        fields.setdefault("head_dim", 16)
+        return Qwen3Config(**fields)
+    raise ValueError(f"unknown tiny family {family!r}; allowed: 'llama', 'qwen3'")
+
+
+def tiny_base(family: str = "llama", seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+    """A tiny random base causal LM (eval mode, fp32)."""
+    cfg = tiny_config(family, **overrides)
+    cfg._attn_implementation = attn_implementation
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = (LlamaForCausalLM if family == "llama" else Qwen3ForCausalLM)(cfg)
+    return model.eval()
