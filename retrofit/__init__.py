@@ -6,7 +6,11 @@ adaptive depth (TaH2, ANIRA-E/O, fixed), plus training-free exits and TAPS.
     >>> out = looped(input_ids)          # out.logits, out.depths ([B, T], 1-based)
 """
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from .versions import check_versions
+
+check_versions()  # fail early on an untested transformers / TRL / PEFT (RETROFIT_SKIP_VERSION_CHECK=1 skips)
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from .config import ATTENTION_MODES, METHODS, LoopConfig, LoopConfigError
 from .convert import convert, looped_config_for

@@ -85,7 +85,7 @@ class LoopedCausalLMOutput(ModelOutput):
         depth_logits: ``[D, B, T, V]`` per-depth logits (NaN beyond a token's lookahead) when
             ``output_depth_logits=True``.
         active: ``[D, B, T]`` bool, token executed depth d.
-        past_key_values: the depth-aware cache, when decoding with one.
+        cache: the depth-aware cache, when decoding with one.
     """
 
     loss: torch.Tensor | None = None
@@ -97,7 +97,7 @@ class LoopedCausalLMOutput(ModelOutput):
     depth_nll: torch.Tensor | None = None
     depth_logits: torch.Tensor | None = None
     active: torch.Tensor | None = None
-    past_key_values: object | None = None
+    cache: object | None = None
 
 
 class DepthKVStore:
