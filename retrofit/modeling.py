@@ -16,6 +16,7 @@ happens in ``DepthKVStore``, a minimal cache object handed to the base layers, w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass
@@ -266,6 +267,7 @@ class LoopedForCausalLM(PreTrainedModel):
         logits_to_keep: int | torch.Tensor = 0,
         output_depth_losses: bool = False,
         output_depth_logits: bool = False,
+        backprop_depth: int | None = None,
         **kwargs,
     ) -> LoopedCausalLMOutput:
         """Run the looped model on a full sequence.
@@ -279,6 +281,10 @@ class LoopedForCausalLM(PreTrainedModel):
                 ``1 … max_depth``; ``None`` lets the halting method decide.
             output_depth_losses: also return ``depth_nll`` (needs labels).
             output_depth_logits: also return every depth's logits ``[D, B, T, V]``.
+            backprop_depth: truncated backprop (Huginn): gradients flow through the last ``k`` core
+                iterations only; iterations ``d ≤ n - k`` (``n`` = the largest forced depth, else
+                ``max_depth``) run without autograd, so their activations are not stored. ``None``
+                = full backprop. Readouts and deciders keep their gradients.
 
         Returns:
             ``LoopedCausalLMOutput``.
@@ -342,14 +348,20 @@ class LoopedForCausalLM(PreTrainedModel):
         if labels is not None and need_depth_losses:
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
 
+        if backprop_depth is not None and (not isinstance(backprop_depth, int) or backprop_depth < 1):
+            raise ValueError(f"backprop_depth must be None or an int >= 1, got {backprop_depth!r}")
+        n_unroll = int(forced.max()) if forced is not None else D
+
         for d in range(1, D + 1):
             act = active[d - 1]
-            x_in = e if d == 1 else self.updater(e, h)
-            vis = depth_key_visibility(torch.stack(active), d, loop.attention, base_vis)
-            mask = to_additive_mask(vis, dtype)
-            raw = x_in
-            for layer in self.core_layers:
-                raw = self._run_layer(layer, raw, mask, pe, position_ids, store, d)
+            no_grad_core = backprop_depth is not None and d <= n_unroll - backprop_depth
+            with torch.no_grad() if no_grad_core else contextlib.nullcontext():
+                x_in = e if d == 1 else self.updater(e, h)
+                vis = depth_key_visibility(torch.stack(active), d, loop.attention, base_vis)
+                mask = to_additive_mask(vis, dtype)
+                raw = x_in
+                for layer in self.core_layers:
+                    raw = self._run_layer(layer, raw, mask, pe, position_ids, store, d)
             h = raw if d == 1 else torch.where(act[..., None], raw, h)
             states.append(h)
 
@@ -392,8 +404,7 @@ class LoopedForCausalLM(PreTrainedModel):
                     lse_exit = lse if lse_exit is None else torch.where(stop_here, lse, lse_exit)
                     if c is not None:
                         survive = survive * c
-                else:
-                    z_exit = z if z_exit is None else torch.where(stop_here[..., None], z, z_exit)
+                z_exit = z if z_exit is None else torch.where(stop_here[..., None], z, z_exit)
 
             more = d < D and (bool(active[d].any()) or (lookahead and bool(stop_here.any())) or loop.fixed_graph)
             if not more:
@@ -404,7 +415,12 @@ class LoopedForCausalLM(PreTrainedModel):
         depth_probs, st = self.halting.distribution(ctx, depths)
 
         if self.halting.needs_depth_readout:
-            logits = (log_mix + lse_exit[..., None]).to(z.dtype) if mixture else z_exit
+            logits = z_exit
+            if mixture:
+                # a token that exits at depth 1 has a one-term mixture: return its raw logits exactly
+                # (the shifted log-mixture equals them only up to float rounding)
+                mixed = (log_mix + lse_exit[..., None]).to(z_exit.dtype)
+                logits = torch.where((depths == 1)[..., None], z_exit, mixed)
         else:
             if st is not None:
                 while len(states) < D:
