@@ -1,0 +1,559 @@
+"""Tests of data_prep: every generator is checked against an independent solver written here."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import re
+from collections import deque
+
+import datasets
+import nltk
+import pytest
+
+from data_prep import brevo, build, gsm, lano
+from data_prep.chat import DataError, load_rows, to_sft_dataset, write_jsonl
+from data_prep.tasks import TASKS, build_dataset, build_splits, decode_features, get_task
+
+EXPECTED_KEYS = {
+    "mano",
+    "brevo",
+    "lano",
+    "clrs_sorting",
+    "clrs_string_matching",
+    "clrs_max_subarray",
+    "clrs_bfs",
+    "gsm",
+    "rg_chain_sum",
+    "rg_maze",
+    "rg_sudoku",
+    "rg_path_star",
+}
+
+
+def _levels_to_test(task):
+    # Smallest and largest default levels: the two ends of the knob.
+    return [task.default_levels[0], task.default_levels[-1]]
+
+
+# --- registry and shared contract --------------------------------------------------------------
+
+
+def test_registry_keys_and_unknown_key():
+    assert set(TASKS) == EXPECTED_KEYS
+    with pytest.raises(ValueError, match="valid tasks: .*mano"):
+        get_task("nope")
+
+
+@pytest.mark.parametrize("key", sorted(EXPECTED_KEYS))
+def test_task_contract(key):
+    task = TASKS[key]
+    assert task.name == key and isinstance(task.knob, str) and task.knob
+    held_out = set(task.interp_levels) | set(task.extrap_levels)
+    assert not held_out & set(task.default_train_levels)
+    assert task.default_levels == sorted(set(task.default_train_levels) | held_out)
+    lo, hi = min(task.default_train_levels), max(task.default_train_levels)
+    assert all(lo < lv < hi for lv in task.interp_levels), "interp levels must lie inside the training range"
+    assert all(lv < lo or lv > hi for lv in task.extrap_levels), "extrap levels must lie outside it"
+    for level in _levels_to_test(task):
+        rows = task.generate(level, 3, seed=0)
+        assert len(rows) == 3
+        for r in rows:
+            assert {"prompt", "answer", "difficulty", "task"} <= set(r)
+            assert r["difficulty"] == level and r["task"] == key
+            assert isinstance(r["prompt"], str) and isinstance(r["answer"], str)
+            assert r["answer"].strip() and "\n" not in r["answer"]
+            assert r["prompt"].rstrip().endswith(("=", ":")), r["prompt"]
+            assert task.score(r["answer"], r["answer"])
+            assert task.score("  " + r["answer"] + "  \nmore text", r["answer"])  # first line only
+            assert not task.score("", r["answer"])
+            if task.has_token_features:
+                assert len(r["token_features"]) == len(r["answer"].split())
+        # determinism, seed sensitivity
+        assert task.generate(level, 3, seed=0) == rows
+        assert task.generate(level, 3, seed=1) != rows
+    with pytest.raises(ValueError):
+        task.generate(task.min_level - 1, 1, 0)
+
+
+def test_levels_use_independent_streams():
+    mano = TASKS["mano"]
+    alone = mano.generate(4, 5, seed=3)
+    ds = build_dataset("mano", [2, 4, 6], 5, seed=3)
+    assert [r for r in ds.to_list() if r["difficulty"] == 4] == alone
+
+
+def test_wrong_answers_rejected():
+    assert not TASKS["mano"].score("18", "17")
+    assert not TASKS["clrs_sorting"].score("1 3 2", "1 2 3")
+    assert not TASKS["gsm"].score("The answer is 8", "7")
+    assert TASKS["gsm"].score("The answer is 7 apples", "7")
+    assert not TASKS["rg_chain_sum"].score("5", "-4")
+    row = TASKS["rg_sudoku"].generate(3, 1, 0)[0]
+    wrong = row["answer"].replace(row["answer"][0], "0", 1)
+    assert not TASKS["rg_sudoku"].score(wrong, row["answer"])
+
+
+# --- MANO ----------------------------------------------------------------------------------------
+
+
+def _eval_prefix(tokens):
+    """Evaluates prefix notation right to left with a stack (independent of the generator)."""
+    stack = []
+    for tok in reversed(tokens):
+        if tok.isdigit():
+            stack.append(int(tok))
+        else:
+            a, b = stack.pop(), stack.pop()
+            stack.append({"+": a + b, "-": a - b, "*": a * b}[tok] % 23)
+    assert len(stack) == 1
+    return stack[0]
+
+
+@pytest.mark.parametrize("level", [1, 2, 5, 16, 24])
+def test_mano_answers_and_knob(level):
+    for r in TASKS["mano"].generate(level, 30, seed=7):
+        tokens = r["prompt"].split()
+        assert tokens[-1] == "="
+        tokens = tokens[:-1]
+        assert sum(t in "+-*" for t in tokens) == level
+        assert all(0 <= int(t) <= 22 for t in tokens if t.isdigit())
+        assert int(r["answer"]) == _eval_prefix(tokens)
+
+
+# --- BREVO ---------------------------------------------------------------------------------------
+
+
+def _parse_brevo(prompt):
+    edge_part, query = re.fullmatch(r"(.*) \? (\S+) :", prompt).groups()
+    return [tuple(e.split(">")) for e in edge_part.split()], query
+
+
+def _ancestors_fixpoint(edges, query):
+    found = {query}
+    while True:
+        grown = found | {u for u, v in edges if v in found}
+        if grown == found:
+            return found - {query}
+        found = grown
+
+
+@pytest.mark.parametrize("level", [2, 3, 8, 30, 52])
+def test_brevo_answers_and_knob(level):
+    for r in TASKS["brevo"].generate(level, 20, seed=1):
+        edges, query = _parse_brevo(r["prompt"])
+        nodes = {x for e in edges for x in e}
+        assert len(nodes) == level
+        indeg = {}
+        for _, v in edges:
+            indeg[v] = indeg.get(v, 0) + 1
+        assert max(indeg.values()) <= 4
+        order = r["answer"].split()
+        anc = _ancestors_fixpoint(edges, query)
+        assert anc and set(order) == anc and len(order) == len(anc)
+        pos = {x: i for i, x in enumerate(order)}
+        assert all(pos[u] < pos[v] for u, v in edges if u in anc and v in anc)
+        # tie-break: at each step the smallest node whose in-ancestor parents are all placed
+        placed, expected = set(), []
+        while len(expected) < len(anc):
+            ready = [x for x in anc - placed if all(u in placed for u, v in edges if v == x and u in anc)]
+            expected.append(min(ready))
+            placed.add(expected[-1])
+        assert order == expected
+        assert len(r["token_features"]) == len(order)
+
+
+def test_brevo_features_hand_worked():
+    edges = [("a", "c"), ("b", "c"), ("c", "e"), ("d", "e"), ("a", "f"), ("f", "g")]
+    order, feats = brevo.solve(edges, "e")
+    assert order == ["a", "b", "c", "d"]
+    as_tuples = [(f["hub_out_degree"], f["dfs_depth"], f["frontier_size"], f["newly_enabled"]) for f in feats]
+    assert as_tuples == [(2, 2, 3, 0), (1, 2, 2, 1), (1, 1, 2, 0), (1, 1, 1, 0)]
+    # DFS-tree depth, not shortest distance: d is reached through c first (depth 2).
+    order, feats = brevo.solve([("c", "e"), ("d", "c"), ("d", "e")], "e")
+    assert order == ["d", "c"]
+    assert [f["dfs_depth"] for f in feats] == [2, 1]
+    assert [f["newly_enabled"] for f in feats] == [1, 0]
+
+
+# --- LANO ----------------------------------------------------------------------------------------
+
+
+def _max_depth(grammar):
+    by_lhs = {}
+    for p in grammar.productions():
+        by_lhs.setdefault(p.lhs(), []).append(p.rhs())
+
+    def depth(sym):
+        if isinstance(sym, str):
+            return 0
+        return 1 + max(depth(s) for rhs in by_lhs[sym] for s in rhs)
+
+    return depth(grammar.start())
+
+
+def test_lano_grammar_size():
+    g = lano.grammar()
+    prods = g.productions()
+    assert len({p.lhs() for p in prods}) == 16
+    assert {s for p in prods for s in p.rhs() if isinstance(s, str)} == {"a", "b", "c"}
+    assert len(prods) == 35
+    assert _max_depth(g) == 7
+
+
+@pytest.mark.parametrize("level", [6, 9, 16, 24])
+def test_lano_strings_are_grammatical(level):
+    parser = nltk.ChartParser(lano.grammar())
+    rows = TASKS["lano"].generate(level, 5, seed=2)
+    for r in rows:
+        tokens = r["answer"].split()
+        assert len(tokens) == level
+        tree = next(parser.parse(tokens))  # StopIteration = not a sentence of the grammar
+        assert tree.height() - 1 <= 7
+        feats = r["token_features"]
+        assert len(feats) == level
+        assert all(set(f) == {"expansion", "convergence", "parser_work", "parser_mults"} for f in feats)
+        assert all(f["parser_work"] > 0 for f in feats)
+
+
+def test_lano_score_rejects_ungrammatical():
+    parser = nltk.ChartParser(lano.grammar())
+    bad = next(" ".join(s) for s in itertools.product("abc", repeat=8) if next(parser.parse(list(s)), None) is None)
+    answer = TASKS["lano"].generate(8, 1, 0)[0]["answer"]
+    assert not TASKS["lano"].score(bad, answer)
+    assert not TASKS["lano"].score(answer + " a", answer)  # wrong length
+
+
+def test_lano_features_hand_worked_and_prefix_invariant():
+    toy = nltk.PCFG.fromstring("S -> A B [1.0]\nA -> 'a' [1.0]\nB -> 'b' [1.0]")
+    # column 0: S->.A B, A->.'a' | column 1: A->'a'., S->A.B, B->.'b' | column 2: B->'b'., S->A B.
+    assert lano.token_features(["a", "b"], toy) == [
+        {"expansion": 0, "convergence": -1, "parser_work": 3, "parser_mults": 1},
+        {"expansion": -2, "convergence": 1, "parser_work": 2, "parser_mults": 3},
+    ]
+    tokens = TASKS["lano"].generate(14, 1, seed=5)[0]["answer"].split()
+    full = lano.token_features(tokens)
+    for k in (1, 5, 13):
+        assert lano.token_features(tokens[:k]) == full[:k]
+
+
+# --- CLRS ----------------------------------------------------------------------------------------
+
+
+def _nums(prompt, head):
+    assert prompt.startswith(head + " ") and prompt.endswith(" =")
+    return [int(x) for x in prompt[len(head) + 1 : -2].split()]
+
+
+@pytest.mark.parametrize("level", [1, 4, 16])
+def test_clrs_sorting(level):
+    for r in TASKS["clrs_sorting"].generate(level, 20, seed=0):
+        xs = _nums(r["prompt"], "sort")
+        assert len(xs) == level
+        assert r["answer"] == " ".join(map(str, sorted(xs)))
+
+
+@pytest.mark.parametrize("level", [2, 4, 16])
+def test_clrs_string_matching(level):
+    n_with_match = 0
+    for r in TASKS["clrs_string_matching"].generate(level, 40, seed=0):
+        pattern, text = re.fullmatch(r"match (.*) in (.*) =", r["prompt"]).groups()
+        pattern, text = pattern.replace(" ", ""), text.replace(" ", "")
+        assert len(text) == level
+        hits, start = [], text.find(pattern)
+        while start != -1:
+            hits.append(start)
+            start = text.find(pattern, start + 1)
+        assert r["answer"] == (" ".join(map(str, hits)) if hits else "none")
+        n_with_match += bool(hits)
+    assert n_with_match >= 10
+
+
+@pytest.mark.parametrize("level", [1, 4, 16])
+def test_clrs_max_subarray(level):
+    for r in TASKS["clrs_max_subarray"].generate(level, 30, seed=0):
+        xs = _nums(r["prompt"], "maxsub")
+        assert len(xs) == level
+        best = max(sum(xs[i:j]) for i in range(level) for j in range(i + 1, level + 1))
+        assert int(r["answer"]) == best
+
+
+@pytest.mark.parametrize("level", [2, 4, 16])
+def test_clrs_bfs(level):
+    for r in TASKS["clrs_bfs"].generate(level, 20, seed=0):
+        edges = [tuple(map(int, e.split("-"))) for e in r["prompt"][4:-2].split()]
+        assert {x for e in edges for x in e} == set(range(level))
+        # layer-by-layer BFS, neighbours in ascending order
+        order, seen, layer = [0], {0}, [0]
+        while layer:
+            nxt = []
+            for u in layer:
+                for v in sorted({b for a, b in edges if a == u} | {a for a, b in edges if b == u}):
+                    if v not in seen:
+                        seen.add(v)
+                        nxt.append(v)
+            order += nxt
+            layer = nxt
+        assert len(order) == level  # connected
+        assert r["answer"] == " ".join(map(str, order))
+
+
+# --- GSM / reasoning-gym -------------------------------------------------------------------------
+
+
+def test_gsm_levels_and_scorer():
+    from reasoning_gym.arithmetic.gsm_symbolic.gsm_symbolic import GSMSymbolicDataset, GSMSymbolicDatasetConfig
+
+    assert "NOT Apple" in gsm.__doc__
+    assert set(gsm.template_levels().values()) == {0, 1, 2}
+    assert gsm.count_steps("a = 1\n\nb = 2\nc = 3\n#### 3") == 3
+    rg = GSMSymbolicDataset(GSMSymbolicDatasetConfig(seed=0, size=1))
+    for level in (0, 1, 2):
+        for r in TASKS["gsm"].generate(level, 5, seed=0):
+            assert r["prompt"].endswith("\nAnswer:")
+            assert rg.score_answer(r["answer"], {"answer": r["answer"]}) == 1.0
+
+
+def _maze_shortest(grid, start, goal, wall):
+    cells = {(i, j): c for i, row in enumerate(grid) for j, c in enumerate(row)}
+    src = next(p for p, c in cells.items() if c == start)
+    dist, queue = {src: 0}, deque([src])
+    while queue:
+        p = queue.popleft()
+        if cells[p] == goal:
+            return dist[p]
+        for d in ((0, 1), (1, 0), (0, -1), (-1, 0)):
+            q = (p[0] + d[0], p[1] + d[1])
+            if q in cells and cells[q] != wall and q not in dist:
+                dist[q] = dist[p] + 1
+                queue.append(q)
+    return None
+
+
+def test_reasoning_gym_tasks_independent_checks():
+    for r in TASKS["rg_chain_sum"].generate(5, 10, seed=0):
+        expr = r["prompt"][:-2]
+        assert len(re.findall(r"\d+", expr)) == 5
+        tokens = expr.split()
+        total = int(tokens[0]) + sum(int(n) if op == "+" else -int(n) for op, n in zip(tokens[1::2], tokens[2::2]))
+        assert int(r["answer"]) == total
+    for r in TASKS["rg_maze"].generate(6, 10, seed=0):
+        m = re.fullmatch(r"maze start (.) goal (.) wall (.) path (.): ((?:\S+ )+)steps =", r["prompt"])
+        start, goal, wall, _, grid = m.groups()
+        assert len(grid.split()) == 9  # MAZE_GRID rows
+        assert _maze_shortest(grid.split(), start, goal, wall) == 6 == int(r["answer"])
+    for r in TASKS["rg_sudoku"].generate(4, 5, seed=0):
+        puzzle = r["prompt"][len("sudoku ") : -2].split()
+        solution = r["answer"].split()
+        assert sum(row.count("_") for row in puzzle) == 4
+        assert all(p in ("_", s) for prow, srow in zip(puzzle, solution) for p, s in zip(prow, srow))
+        digits = set("123456789")
+        assert all(set(row) == digits for row in solution)
+        assert all({row[c] for row in solution} == digits for c in range(9))
+        assert all(
+            {solution[r0 + i][c0 + j] for i in range(3) for j in range(3)} == digits
+            for r0 in (0, 3, 6)
+            for c0 in (0, 3, 6)
+        )
+    for r in TASKS["rg_path_star"].generate(4, 10, seed=0):
+        graph, query = r["prompt"][:-2].split("/")
+        edges = {tuple(e.split()) for e in graph.strip("|").split("|")}
+        start, goal = query.split()
+        path = r["answer"].split()
+        assert len(path) - 1 == 4 and path[0] == start and path[-1] == goal
+        assert all((a, b) in edges or (b, a) in edges for a, b in itertools.pairwise(path))
+
+
+# --- dataset assembly ----------------------------------------------------------------------------
+
+
+def test_build_dataset_columns_and_features():
+    ds = build_dataset("brevo", [4, 6], 5, seed=0)
+    assert ds.column_names == ["prompt", "answer", "difficulty", "task", "token_features"]
+    assert ds.features["token_features"].dtype == "string"
+    for row in ds:
+        feats = decode_features(row)
+        assert len(feats) == len(row["answer"].split())
+    plain = build_dataset("mano", [3], 4, seed=0)
+    assert plain.column_names == ["prompt", "answer", "difficulty", "task"]
+    assert decode_features(plain[0]) is None
+
+
+@pytest.mark.parametrize("key", sorted(EXPECTED_KEYS - {"gsm"}) + ["gsm"])
+def test_splits_disjoint_and_held_out(key):
+    task = TASKS[key]
+    dd = build_splits(key, n_train=4, n_eval=2, seed=0)
+    train_levels = set(dd["train"]["difficulty"])
+    assert train_levels == set(task.default_train_levels)
+    expected = {"train", "eval"} | ({"eval_interp"} if task.interp_levels else set()) | {"eval_extrap"}
+    assert set(dd) == expected
+    if "eval_interp" in dd:
+        assert set(dd["eval_interp"]["difficulty"]) == set(task.interp_levels)
+    assert set(dd["eval_extrap"]["difficulty"]) == set(task.extrap_levels)
+    assert set(dd["eval"]["difficulty"]) <= train_levels
+    train_keys = {task.dedup_key(r) for r in dd["train"]}
+    seen = set()
+    for split in set(dd) - {"train"}:
+        keys = [task.dedup_key(r) for r in dd[split]]
+        assert not set(keys) & train_keys, split
+        assert not set(keys) & seen
+        assert len(keys) == len(set(keys))
+        seen |= set(keys)
+    if not task.dedup_on_answer:  # LANO's prompt only states the length; its key adds the answer
+        assert not set(dd["eval"]["prompt"]) & set(dd["train"]["prompt"])
+
+
+def test_splits_dedup_when_prompts_collide(caplog):
+    # MANO L=1 has 3 * 23 * 23 = 1587 distinct prompts: train at 1500 rows repeats many, and the
+    # eval split can only take the few hundred never seen in train.
+    with caplog.at_level(logging.WARNING):
+        dd = build_splits(
+            "mano", n_train=1500, n_eval=1000, seed=0, train_levels=[1], interp_levels=[], extrap_levels=[]
+        )
+    assert set(dd) == {"train", "eval"}
+    train, ev = set(dd["train"]["prompt"]), dd["eval"]["prompt"]
+    assert not train & set(ev) and len(ev) == len(set(ev))
+    assert len(train) + len(ev) <= 3 * 23 * 23 and len(ev) < 1000
+    assert "unseen instances" in caplog.text
+
+
+def test_splits_reject_overlapping_levels():
+    with pytest.raises(ValueError, match="overlap"):
+        build_splits("mano", 2, 2, 0, train_levels=[3, 4], interp_levels=[4])
+    with pytest.raises(ValueError, match="outside the allowed range"):
+        build_splits("mano", 2, 2, 0, train_levels=[0])
+
+
+def test_cli(tmp_path, capsys):
+    out = tmp_path / "mano"
+    assert build.main(["--task", "mano", "--levels", "1", "2", "3", "--n", "20", "--seed", "0", "--out", str(out)]) == 0
+    dd = datasets.load_from_disk(str(out))
+    assert set(dd) == {"train", "eval"}
+    assert sorted(set(dd["train"]["difficulty"])) == [1, 2, 3] and len(dd["train"]) == 60
+    assert "train" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        build.main(["--help"])
+    assert e.value.code == 0
+    assert "--levels" in capsys.readouterr().out
+
+
+# --- chat SFT formatting -------------------------------------------------------------------------
+
+
+GOOD_ROWS = [
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+    {"prompt": "2+2=", "completion": "4"},
+    {"prompt": "+ 1 2 =", "answer": "3", "difficulty": 1, "task": "mano"},
+]
+
+BAD_ROWS = {
+    "not_a_dict": ["just a string", "must be a dict"],
+    "missing_columns": [{"question": "q", "response": "r"}, "need 'messages', or 'prompt' \\+ 'completion'"],
+    "bad_messages": [{"messages": [{"role": "user", "content": "no reply"}]}, "must have role 'assistant'"],
+    "unknown_role": [
+        {"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]},
+        "unknown role 'bot'; allowed roles: system, user, assistant, tool",
+    ],
+    "non_string_content": [
+        {"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "y"}]},
+        "content must be a string",
+    ],
+    "empty_completion": [{"prompt": "p", "completion": "   "}, "is empty"],
+}
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_ROWS))
+def test_chat_bad_row_raises(reason):
+    row, pattern = BAD_ROWS[reason]
+    with pytest.raises(DataError, match=pattern) as e:
+        to_sft_dataset(GOOD_ROWS + [row])
+    assert e.value.reason == reason and e.value.row_index == 3
+    assert str(e.value).startswith("row 3:")
+
+
+def test_chat_skip_mode_counts_reasons(caplog):
+    rows = GOOD_ROWS + [row for row, _ in BAD_ROWS.values()] + [BAD_ROWS["unknown_role"][0]]
+    with caplog.at_level(logging.WARNING, logger="data_prep.chat"):
+        ds, report = to_sft_dataset(rows, on_bad_row="skip")
+    assert len(ds) == 3 and report["rows_in"] == len(rows) and report["rows_out"] == 3
+    assert report["skipped"] == {r: (2 if r == "unknown_role" else 1) for r in BAD_ROWS}
+    assert "skipping bad row" in caplog.text
+
+
+def test_chat_formats():
+    ds, report = to_sft_dataset(GOOD_ROWS[1:])
+    assert report["format"] == "standard" and ds.to_list() == [
+        {"prompt": "2+2=", "completion": "4"},
+        {"prompt": "+ 1 2 =", "completion": "3"},
+    ]
+    ds, report = to_sft_dataset(GOOD_ROWS)
+    assert report["format"] == "conversational"
+    assert ds[0] == {
+        "prompt": [{"role": "user", "content": "hi"}],
+        "completion": [{"role": "assistant", "content": "hello"}],
+    }
+    assert ds[2]["completion"] == [{"role": "assistant", "content": "3"}]
+
+
+@pytest.fixture
+def toy_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "<eos>": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>")
+
+
+def test_chat_with_tokenizer(toy_tokenizer):
+    # no chat template: plain strings, conversations flattened
+    ds, report = to_sft_dataset(GOOD_ROWS, tokenizer=toy_tokenizer)
+    assert report["format"] == "standard" and not report["chat_template_applied"]
+    assert ds[0] == {"prompt": "user: hi\nassistant: ", "completion": "hello"}
+    toy_tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
+    ds, report = to_sft_dataset(GOOD_ROWS, tokenizer=toy_tokenizer)
+    assert report["chat_template_applied"]
+    assert ds[1] == {"prompt": "<|user|> 2+2= <eos>\n<|assistant|> ", "completion": "4 <eos>\n"}
+    long_row = {"prompt": " ".join(["w"] * 50), "completion": "x"}
+    with pytest.raises(DataError, match="row 3: .* exceeds max_length=20") as e:
+        to_sft_dataset(GOOD_ROWS + [long_row], tokenizer=toy_tokenizer, max_length=20)
+    assert e.value.reason == "too_long"
+    ds, report = to_sft_dataset(GOOD_ROWS + [long_row], tokenizer=toy_tokenizer, max_length=20, on_bad_row="skip")
+    assert len(ds) == 3 and report["skipped"] == {"too_long": 1}
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        to_sft_dataset(GOOD_ROWS, max_length=20)
+    # a template that rejects a conversation is reported per row, not as a jinja traceback
+    toy_tokenizer.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}"
+        + toy_tokenizer.chat_template
+    )
+    system_first = {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "y"}]}
+    with pytest.raises(DataError, match="row 3: the tokenizer's chat template rejected") as e:
+        to_sft_dataset(GOOD_ROWS + [system_first], tokenizer=toy_tokenizer)
+    assert e.value.reason == "chat_template_error"
+
+
+def test_chat_load_sources(tmp_path):
+    rows = [GOOD_ROWS[0], {"messages": GOOD_ROWS[0]["messages"] * 2}]
+    write_jsonl(rows, tmp_path / "a.jsonl")
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "a.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved_dict"))
+    expected, _ = to_sft_dataset(rows)
+    for src in ["a.jsonl", "a.parquet", "saved", "saved_dict"]:
+        assert load_rows(tmp_path / src) == rows, src
+        ds, report = to_sft_dataset(str(tmp_path / src))
+        assert ds.to_list() == expected.to_list() and report["rows_out"] == 2
+    assert load_rows(datasets.Dataset.from_list(rows)) == rows
+    (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: invalid JSON"):
+        load_rows(tmp_path / "bad.jsonl")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported file type '.csv'; supported"):
+        load_rows(tmp_path / "x.csv")
+    with pytest.raises(DataError, match="no such file"):
+        load_rows(tmp_path / "missing.jsonl")
