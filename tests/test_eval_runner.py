@@ -1,0 +1,488 @@
+"""``retrofit eval`` (retrofit/evaluation/runner.py) and its per-token analyses (analysis.py).
+
+Unit tests check each alignment and policy computation on constructed inputs (hand-worked or
+against a slow reference); the end-to-end test runs the CLI on a tiny random looped checkpoint
+and checks every artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from retrofit.evaluation import analysis as A
+from retrofit.evaluation import runner as R
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models are fastest on one thread, and two threads contend badly on a loaded 2-core box.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _looped(max_depth=3, method="tah2", seed=1):
+    """A tiny random looped model whose depths and per-depth outputs actually vary."""
+    import retrofit
+    from retrofit.testing import tiny_base
+
+    m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=max_depth, method=method)).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        m.updater.w2.weight.copy_(torch.randn(m.updater.w2.weight.shape, generator=g) * 0.5)
+        if method == "tah2":
+            fc2 = m.halting.decider.fc2
+            fc2.weight.copy_(torch.randn(fc2.weight.shape, generator=g))
+            fc2.bias.zero_()
+    return m
+
+
+@pytest.fixture(scope="module")
+def looped():
+    return _looped()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from retrofit.testing import char_tokenizer
+
+    return char_tokenizer()
+
+
+# ----------------------------------------------------------------------------------------------
+# alignment
+# ----------------------------------------------------------------------------------------------
+
+
+def test_word_alignment_char_tokenizer(tok):
+    ids, offsets = A.encode_with_offsets(tok, " a bc d")
+    assert tok.convert_ids_to_tokens(ids) == [" ", "a", " ", "b", "c", " ", "d"]
+    assert A.token_word_owner(" a bc d", offsets).tolist() == [-1, 0, -1, 1, 1, -1, 2]
+    assert A.first_tokens_of_words(" a bc d", offsets).tolist() == [1, 3, 6]
+
+
+def test_word_alignment_bpe_like_offsets():
+    # "Ġab" "Ġc" "d" "Ġe": a leading space merged into the token, a word split in two
+    text = " ab cd e"
+    offsets = [(0, 3), (3, 5), (5, 6), (6, 8)]
+    assert A.token_word_owner(text, offsets).tolist() == [0, 1, 1, 2]
+    assert A.first_tokens_of_words(text, offsets).tolist() == [0, 1, 3]
+    # one token spanning two words: the second word has no token of its own
+    assert A.first_tokens_of_words(" a b", [(0, 4)]).tolist() == [0, -1]
+    # a token that starts inside word 0 and runs into word 1 belongs to word 0
+    assert A.first_tokens_of_words("ab c", [(0, 1), (1, 3), (3, 4)]).tolist() == [0, 2]
+    # special tokens (empty span) own nothing
+    assert A.token_word_owner("a", [(0, 0), (0, 1)]).tolist() == [-1, 0]
+    np.testing.assert_array_equal(A.word_values([5.0, 6.0, 7.0], [2, -1, 0]), [7.0, np.nan, 5.0])
+
+
+class _SlowWordTokenizer:
+    """A slow tokenizer (no offsets) that emits one token per whitespace+word piece."""
+
+    is_fast = False
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+
+    def __call__(self, text, add_special_tokens=False):
+        pieces = re.findall(r"\s*\S+|\s+", text)
+        return {"input_ids": [self.vocab.setdefault(p, len(self.vocab)) for p in pieces]}
+
+
+def test_encode_with_offsets_slow_tokenizer_fallback():
+    ids, offsets = A.encode_with_offsets(_SlowWordTokenizer(), " a b c")
+    assert len(ids) == 3
+    assert offsets == [(0, 2), (2, 4), (4, 6)]
+    assert A.first_tokens_of_words(" a b c", offsets).tolist() == [0, 1, 2]
+
+
+def test_answer_positions():
+    assert A.answer_positions(5, 3, "predict").tolist() == [4, 5, 6]
+    assert A.answer_positions(5, 3, "input").tolist() == [5, 6, 7]
+    with pytest.raises(ValueError, match="allowed"):
+        A.answer_positions(5, 3, "middle")
+
+
+def _lano_rows(n=6):
+    from data_prep.tasks import build_dataset
+
+    return build_dataset("lano", [8, 10], n // 2, seed=3).to_list()
+
+
+def test_lano_spearman_alignment_planted(tok):
+    """Depth planted on each terminal's first token = its parser_work: Spearman must be exactly 1;
+    whitespace tokens get junk depths that alignment must ignore."""
+    opts = R._Options()
+    rows = _lano_rows()
+    examples = R._prepare(rows, tok, opts)
+    word_depths, feats = [], []
+    rng = np.random.default_rng(0)
+    for e in examples:
+        m = len(e.answer_ids)
+        depth = rng.integers(50, 100, size=m).astype(float)  # junk on every token
+        for w, k in enumerate(e.first_tok):
+            depth[k] = e.features[w]["parser_work"]
+        word_depths.append(A.word_values(depth, e.first_tok))
+        feats.append(e.features)
+        # char tokenizer: " a b c" -> the terminals sit at the odd token indices
+        assert e.first_tok.tolist() == list(range(1, m, 2))
+    out = A.lano_spearman(word_depths, feats)
+    assert set(out) == set(A.LANO_PROXIES)
+    assert out["parser_work"]["rho"] == pytest.approx(1.0)
+    assert out["parser_work"]["n"] == sum(len(f) for f in feats)
+
+
+def test_brevo_regression_alignment_planted(tok):
+    """Depth = planted linear function of the features + per-N offset, on each node's first
+    token; the N-controlled regression must recover the coefficients with R² = 1."""
+    from data_prep.tasks import build_dataset
+
+    rows = build_dataset("brevo", [6, 8, 10], 8, seed=0).to_list()
+    examples = R._prepare(rows, tok, R._Options())
+    coef = {"hub_out_degree": 0.3, "dfs_depth": -0.2, "frontier_size": 0.5, "newly_enabled": 0.1}
+    word_depths = []
+    for e in examples:
+        depth = np.full(len(e.answer_ids), 99.0)
+        for w, k in enumerate(e.first_tok):
+            f = e.features[w]
+            depth[k] = 1.0 + 0.05 * e.level + sum(c * f[name] for name, c in coef.items())
+        word_depths.append(A.word_values(depth, e.first_tok))
+    reg = A.brevo_regression(word_depths, [e.features for e in examples], [e.level for e in examples])
+    for name, c in coef.items():
+        assert reg["coefficients"][name] == pytest.approx(c, abs=1e-8)
+    assert reg["r2"] == pytest.approx(1.0)
+    assert reg["n_groups"] == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# exit policies (hand-worked)
+# ----------------------------------------------------------------------------------------------
+
+# Planted next-token distributions of 3 tokens at depths 1..3 over a 3-word vocabulary.
+_P = torch.tensor(
+    [
+        [[0.5, 0.25, 0.25], [0.6, 0.2, 0.2], [1 / 3, 1 / 3, 1 / 3]],  # depth 1
+        [[0.5, 0.25, 0.25], [0.2, 0.6, 0.2], [0.7, 0.2, 0.1]],  # depth 2
+        [[0.1, 0.8, 0.1], [0.2, 0.6, 0.2], [0.7, 0.2, 0.1]],  # depth 3
+    ],
+    dtype=torch.float64,
+)  # [D, N, V]
+_KL2 = [0.0, 0.4 * math.log(3), 0.7 * math.log(2.1) + 0.2 * math.log(0.6) + 0.1 * math.log(0.3)]
+
+
+def test_kl_and_confidence_signals_hand_worked():
+    logits = _P.log() + 5.0  # logits are defined up to a constant
+    kl = A.kl_signals(logits)
+    assert kl.shape == (3, 2)
+    torch.testing.assert_close(kl[:, 0].double(), torch.tensor(_KL2, dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(kl[:, 1].double(), torch.tensor([0.1 * math.log(0.1 / 0.5) + 0.8 * math.log(0.8 / 0.25) + 0.1 * math.log(0.1 / 0.25), 0.0, 0.0], dtype=torch.float64), atol=1e-6, rtol=0)
+    conf = A.confidence_signals(logits)
+    torch.testing.assert_close(conf.double(), torch.tensor([[0.5, 0.5, 0.8], [0.6, 0.6, 0.6], [1 / 3, 0.7, 0.7]], dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_exit_depths_and_policy_correct_hand_worked():
+    kl = A.kl_signals(_P.log())
+    gold = torch.tensor([1, 1, 0])
+    per_depth = (_P.argmax(-1) == gold[None]).transpose(0, 1)  # [N, D]
+    # argmax: token0 d1..3 = 0,0,1; token1 = 0,1,1; token2 = 0(tie → first),0,0
+    assert per_depth.tolist() == [[False, False, True], [False, True, True], [True, True, True]]
+    # τ = 0.1: token0 KL 0 at d2 -> 2; token1 0.44 at d2, 0 at d3 -> 3; token2 0.30, then 0 -> 3
+    d = A.exit_depths(kl, 0.1, first_depth=2)
+    assert d.tolist() == [2, 3, 3]
+    assert A.policy_correct(per_depth, d).tolist() == [False, True, True]
+    assert A.exit_depths(kl, 0.35, 2).tolist() == [2, 3, 2]
+    assert A.exit_depths(kl, 0.5, 2).tolist() == [2, 2, 2]
+    assert A.exit_depths(kl, 0.0, 2).tolist() == [3, 3, 3]  # nothing is < 0: all run to D
+    conf = A.confidence_signals(_P.log())
+    assert A.exit_depths(conf, 0.55, 1, rule="above").tolist() == [3, 1, 2]
+    # calibration to equal compute: mean 2.0 needs τ just above KL(token1) = 0.4·ln 3
+    tau, mean = A.calibrate_threshold(kl, 2, 2.0)
+    assert mean == pytest.approx(2.0)
+    assert 0.4 * math.log(3) < tau < 0.4 * math.log(3) + 1e-6
+    tau, mean = A.calibrate_threshold(kl, 2, 1.0)  # unreachable: KL cannot stop before depth 2
+    assert mean == pytest.approx(2.0)
+    tau, mean = A.calibrate_threshold(conf, 1, 2.0, rule="above")
+    assert mean == pytest.approx(2.0)
+    assert A.exit_depths(conf, tau, 1, rule="above").mean() == pytest.approx(2.0)
+
+
+def test_state_change_signals_hand_worked():
+    h = torch.tensor([[[3.0, 4.0]], [[3.0, 4.0]], [[0.0, 4.0]]])  # [D=3, N=1, H=2]
+    s = A.state_change_signals(h)
+    torch.testing.assert_close(s, torch.tensor([[0.0, 3.0 / 5.0]]))
+
+
+@pytest.mark.parametrize("rule", ["below", "above"])
+def test_calibrate_threshold_vs_bruteforce(rule):
+    rng = np.random.default_rng(0)
+    for trial in range(5):
+        sig = rng.integers(0, 6, size=(40, 3)).astype(np.float32) / 5  # many ties
+        target = float(rng.uniform(1.0, 3.5))
+        tau, mean = A.calibrate_threshold(sig, 1, target, rule)
+        cands = [-np.inf, np.inf] + [float(v) + e for v in np.unique(sig) for e in (-1e-3, 0.0, 1e-3)]
+        best = min(abs(A.exit_depths(sig, c, 1, rule).mean() - target) for c in cands)
+        assert abs(mean - target) == pytest.approx(best)
+        assert A.exit_depths(sig, tau, 1, rule).mean() == pytest.approx(mean)
+
+
+# ----------------------------------------------------------------------------------------------
+# model passes vs slow references
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["loop", "generate"])
+def test_greedy_generate_batched_equals_one_by_one(looped, tok, backend):
+    if backend == "generate" and not R._has_looped_generate():
+        pytest.skip("the engine has no cached generate for looped models yet")
+    prompts = [tok(p)["input_ids"] for p in ["+ 1 2 =", "* + 3 4 5 =", "7 =", "- 9 * 2 2 ="]]
+    batched = R.greedy_generate(looped, tok, prompts, 6, batch_size=4, backend=backend)
+    depths_seen = set()
+    for p, b in zip(prompts, batched):
+        # reference: no padding, no batching, no cache, plain argmax loop
+        ids = torch.tensor([p])
+        gen = []
+        for _ in range(6):
+            with torch.no_grad():
+                nxt = int(looped(ids).logits[0, -1].argmax())
+            gen.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+            if nxt == tok.eos_token_id or "\n" in tok.decode([nxt]):
+                break
+        assert b["ids"] == gen
+        with torch.no_grad():
+            d = looped(ids).depths[0]
+        # alignment "predict": token j's depth is that of the position before it
+        assert b["depths"] == d[len(p) - 1 : len(p) - 1 + len(gen)].tolist()
+        depths_seen.update(b["depths"])
+    assert len(depths_seen) > 1, "the fixture model should produce mixed depths"
+    forced = R.greedy_generate(looped, tok, prompts, 3, batch_size=2, depth=2, backend=backend)
+    assert all(set(f["depths"]) == {2} for f in forced)
+
+
+def test_generation_backends_agree(looped, tok):
+    """The model's cached generate and the no-cache reference loop: same tokens and depths, under
+    the decider, a forced depth and a training-free exit, and for a base model."""
+    if not R._has_looped_generate():
+        pytest.skip("the engine has no cached generate for looped models yet")
+    from retrofit.testing import tiny_base
+
+    prompts = [tok(p)["input_ids"] for p in ["+ 1 2 =", "* + 3 4 5 =", "7 =", "- 9 * 2 2 =", "+ + 1 1 1 ="]]
+    cases = [{}, {"depth": 1}, {"alignment": "input"}]
+    if "kl" in R._engine_exit_policies():
+        cases.append({"exit_policy": "kl", "exit_threshold": 0.05})
+    for kw in cases:
+        a = R.greedy_generate(looped, tok, prompts, 8, batch_size=3, backend="loop", **kw)
+        b = R.greedy_generate(looped, tok, prompts, 8, batch_size=3, backend="generate", **kw)
+        assert a == b, kw
+    base = tiny_base("llama")
+    a = R.greedy_generate(base, tok, prompts, 8, batch_size=3, backend="loop")
+    b = R.greedy_generate(base, tok, prompts, 8, batch_size=3, backend="generate")
+    assert a == b
+
+
+def test_teacher_forced_matches_unbatched_reference(looped, tok):
+    from data_prep.tasks import build_dataset
+
+    rows = build_dataset("mano", [2, 5], 2, seed=1).to_list()
+    opts = R._Options(batch_size=4, progress=False)
+    examples = R._prepare(rows, tok, opts)
+    info = R._model_info(looped)
+    tf = R._teacher_forced(looped, info, examples, R._pad_id(tok), opts, "tf")
+    D = info.max_depth
+    for e, t in zip(examples, tf):
+        ids = torch.tensor([e.prompt_ids + e.answer_ids])
+        P, m = len(e.prompt_ids), len(e.answer_ids)
+        gold = torch.tensor(e.answer_ids)
+        with torch.no_grad():
+            out = looped(ids)
+            full = looped(ids, depth=D, output_depth_logits=True)
+        pred = torch.arange(P - 1, P - 1 + m)
+        np.testing.assert_array_equal(t["pred_depth"], out.depths[0, pred].numpy())
+        np.testing.assert_array_equal(t["tok_depth"], out.depths[0, pred].numpy())  # alignment "predict"
+        exp = (out.depth_probs[0, pred] * torch.arange(1, D + 1)).sum(-1).double().numpy()
+        np.testing.assert_allclose(t["tok_exp_depth"], exp, atol=1e-6)
+        np.testing.assert_array_equal(t["correct"], (out.logits[0, pred].argmax(-1) == gold).numpy())
+        z = full.depth_logits[:, 0, pred]  # [D, m, V]
+        ref_nll = torch.stack([torch.nn.functional.cross_entropy(z[d], gold, reduction="none") for d in range(D)], 1)
+        np.testing.assert_allclose(t["nll_d"], ref_nll.numpy(), atol=1e-4)
+        np.testing.assert_array_equal(t["correct_d"], (z.argmax(-1) == gold).T.numpy())
+        # slow KL reference, token by token
+        for j in range(m):
+            for d in range(1, D):
+                p, q = z[d, j].softmax(-1), z[d - 1, j].softmax(-1)
+                assert t["kl"][j, d - 1] == pytest.approx(float((p * (p / q).log()).sum()), abs=1e-5)
+        assert t["state"].shape == (m, D - 1)
+
+
+def test_exact_policy_pass_extremes_match_forced_depths(tok):
+    """The engine's exact exit pass at the two extreme thresholds equals the forced-depth frame:
+    τ → 0 runs every token to D, τ → ∞ stops every token at 2 (= forced depth 2)."""
+    if "kl" not in R._engine_exit_policies():
+        pytest.skip("the engine has no training-free exits yet")
+    from data_prep.tasks import build_dataset
+
+    model = _looped(method="fixed")
+    rows = build_dataset("mano", [3], 3, seed=2).to_list()
+    opts = R._Options(batch_size=2, progress=False)
+    examples = R._prepare(rows, tok, opts)
+    info = R._model_info(model)
+    tf = R._teacher_forced(model, info, examples, R._pad_id(tok), opts, "tf")
+    for tau, d in ((1e-30, 3), (1e30, 2)):
+        exact = R._policy_pass(model, info, examples, R._pad_id(tok), opts, "kl", tau, "kl")
+        for (depth, correct), t in zip(exact, tf):
+            assert (depth == d).all()
+            np.testing.assert_array_equal(correct, t["correct_d"][:, d - 1])
+
+
+@pytest.mark.parametrize("method", ["fixed", "anira-e", "anira-o"])
+def test_evaluate_task_every_method(method, tok):
+    model = _looped(max_depth=2, method=method).train()
+    res = R.evaluate_task(
+        model, tok, "mano", levels=[2, 3], n=2, forced_generation=False, policy_generation=False, progress=False
+    )
+    assert model.training, "evaluate_task must restore the caller's train/eval mode"
+    assert set(res["levels"]) == {2, 3}
+    assert all(1.0 <= e["mean_depth"] <= 2.0 for e in res["levels"].values())
+    assert ("decider" in res["exit_policies"]) == (method != "fixed")
+    if method == "fixed":  # no decider: policies are calibrated to (1 + D) / 2
+        assert res["exit_policies"]["confidence"]["target_mean_depth"] == 1.5
+        assert all(e["mean_depth"] == 2.0 for e in res["levels"].values())
+
+
+def test_chat_mode_uses_the_template(looped, tok):
+    rows = [{"prompt": "+ 1 2 =", "answer": "3", "difficulty": 1, "task": "mano"}]
+    ex = R._prepare(rows, tok, R._Options(chat=True))[0]
+    assert tok.decode(ex.prompt_ids) == "<|im_start|>user\n+ 1 2 =<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ex.answer_ids) == "3"
+    res = R.evaluate_task(looped, tok, "mano", rows=rows, chat=True, max_new_tokens=3, progress=False)
+    assert res["levels"][1]["n"] == 1
+
+
+def test_levels_arg_parsing():
+    assert R._levels_arg(["3,4,8-10"], "--levels") == [3, 4, 8, 9, 10]
+    assert R._levels_arg(["mano=3,4", "brevo=5-6"], "--levels") == {"mano": [3, 4], "brevo": [5, 6]}
+    assert R._levels_arg(None, "--levels") is None
+    with pytest.raises(ValueError, match="cannot parse"):
+        R._levels_arg(["3,x"], "--levels")
+    with pytest.raises(ValueError, match="either one list"):
+        R._levels_arg(["3,4", "mano=5"], "--levels")
+
+
+def test_task_rows_limit_spreads_over_levels():
+    rows = R.task_rows("mano", [3, 4, 5, 6], n=10, seed=0, limit=6)
+    assert len(rows) == 6
+    assert sorted({r["difficulty"] for r in rows}) == [3, 4, 5, 6]
+    rows = R.task_rows("mano", [3, 4, 5, 6, 7], n=10, seed=0, limit=3)
+    assert [r["difficulty"] for r in rows] == [3, 5, 7]
+    with pytest.raises(ValueError, match="outside the allowed range"):
+        R.task_rows("lano", [2], n=1)
+
+
+def test_cli_bad_input_is_a_clear_error(capsys):
+    from retrofit.cli import main
+
+    assert main(["eval", "--model", "tiny-llama", "--task", "nope", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown task 'nope'" in err and "mano" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# end to end
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, looped, tok):
+    path = tmp_path_factory.mktemp("looped_ckpt")
+    looped.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _png_ok(path):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        assert im.format == "PNG"
+        arr = np.asarray(im.convert("L"))
+    assert arr.shape[0] > 100 and arr.shape[1] > 100
+    assert arr.std() > 0, f"{path} is blank"
+
+
+@pytest.mark.integration
+def test_cli_end_to_end_writes_every_artifact(checkpoint, tmp_path, capsys):
+    from retrofit.cli import main
+
+    out = tmp_path / "eval"
+    argv = [
+        "eval", "--model", str(checkpoint), "--task", "mano,brevo", "--task", "lano",
+        "--levels", "mano=3,4", "--levels", "brevo=4,6", "--levels", "lano=8,9",
+        "--n", "3", "--limit", "4", "--out", str(out), "--quiet", "--name", "looped",
+        "--compare", "tiny-llama", "--compare-name", "base", "--html-samples", "1",
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "looped" in printed and "mano" in printed  # the summary table
+
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == {"config", "models"}
+    assert set(results["models"]) == {"looped", "base"}
+    n_tokens_html = 0
+    for task in ("mano", "brevo", "lano"):
+        t = results["models"]["looped"]["tasks"][task]
+        assert t["max_depth"] == 3 and t["looped"] is True
+        assert len(t["levels"]) == 2 and sum(e["n"] for e in t["levels"].values()) == 4
+        for e in t["levels"].values():
+            assert 0.0 <= e["accuracy"] <= 1.0
+            assert 1.0 <= e["mean_depth"] <= 3.0
+            assert e["saving"] == pytest.approx(e["mean_depth"] / 3)
+            assert e["cost_exec"] == sum(e["depth_histogram"][d] * (d + 1) for d in range(3))
+            assert e["split"] in ("train", "interp", "extrap")
+        assert set(t["forced_depth_accuracy"]) == {"1", "2", "3"}
+        assert set(t["exit_policies"]) >= {"decider", "kl", "state", "confidence"}
+        for p in t["exit_policies"].values():
+            assert 0.0 <= p["accuracy"] <= 1.0 and 1.0 <= p["mean_depth"] <= 3.0
+        lc = t["loss_change"]
+        assert lc["n"] > 0 and sum(lc["counts"]) == lc["n"]
+        assert lc["share_unchanged"] + lc["share_worse"] + lc["share_improved"] == pytest.approx(1.0)
+        base = results["models"]["base"]["tasks"][task]
+        assert base["looped"] is False and "mean_depth" not in next(iter(base["levels"].values()))
+        for model in results["models"].values():
+            n_tokens_html += sum(len(s["tokens"]) for s in model["tasks"][task]["samples"])
+        for suffix in ("depth_vs_difficulty", "accuracy_vs_difficulty", "accuracy_vs_compute", "loss_change"):
+            _png_ok(out / f"{task}_{suffix}.png")
+    lano = results["models"]["looped"]["tasks"]["lano"]["spearman"]
+    assert set(lano) == set(A.LANO_PROXIES) and all(v["n"] > 0 for v in lano.values())
+    reg = results["models"]["looped"]["tasks"]["brevo"]["regression"]
+    assert set(reg) == {"exit_depth", "expected_depth"}
+    assert set(reg["exit_depth"]["coefficients"]) == set(A.BREVO_FEATURES)
+
+    html = (out / "samples.html").read_text()
+    assert html.count('<span class="tok ') == n_tokens_html > 0
+    report = (out / "report.md").read_text()
+    for needle in ("## Task: mano", "### Exit policies", "### First-vs-last depth loss change", "Spearman", "R²", "mano_accuracy_vs_compute.png"):
+        assert needle in report
+
+
+def test_evaluate_api_base_model_only(tmp_path, tok):
+    """A base model: accuracy and layer counts, no depth plots; given rows are used as is."""
+    from retrofit.testing import tiny_base
+
+    rows = [
+        {"prompt": "+ 1 2 =", "answer": "3", "difficulty": 1, "task": "mano"},
+        {"prompt": "* + 1 2 3 =", "answer": "9", "difficulty": 2, "task": "mano"},
+    ]
+    res = R.evaluate(tiny_base("llama"), tok, "mano", out_dir=tmp_path, rows={"mano": rows}, progress=False, name="base")
+    t = res["models"]["base"]["tasks"]["mano"]
+    assert [e["n"] for e in t["levels"].values()] == [1, 1]
+    assert t["compute_points"] == [[6.0, t["overall"]["accuracy"], "base"]]
+    assert (tmp_path / "mano_accuracy_vs_difficulty.png").exists()
+    assert not (tmp_path / "mano_depth_vs_difficulty.png").exists()
+    assert (tmp_path / "report.md").exists() and (tmp_path / "samples.html").exists()
