@@ -71,3 +71,24 @@ def convert(base_model: nn.Module, loop_config: LoopConfig | None = None, **loop
         model.generation_config = base_model.generation_config
     model.train(base_model.training)
     return model
+
+
+def base_model_of(looped: LoopedForCausalLM) -> nn.Module:
+    """The plain base causal LM that ``looped`` wraps, sharing its modules (no weight copies).
+
+    Useful for side-by-side evaluation: ``base_model_of(copy.deepcopy(looped))`` before training
+    is the untouched pretrained model.
+    """
+    import torch
+
+    fam = family_for(looped.config)
+    d = {k: v for k, v in looped.config.to_dict().items() if k not in _DROP_KEYS}
+    d = {k: v for k, v in d.items() if not k.startswith("retrofit_")}
+    cfg = fam.config_cls(**d)
+    cfg._attn_implementation = looped.config._attn_implementation
+    with torch.device("meta"):
+        shell = fam.causal_lm_cls(cfg)
+    shell.model = looped.model
+    shell.lm_head = looped.lm_head
+    shell.generation_config = looped.generation_config
+    return shell.train(looped.training)

@@ -81,7 +81,7 @@ import numpy as np
 import torch
 
 from . import analysis as A
-from .metrics import accuracy_by_level, cost_exec, flops_ratio, loss_change_stats
+from .metrics import accuracy_by_level, cost_exec, flops_ratio, loss_change_stats, spearman
 
 logger = logging.getLogger(__name__)
 
@@ -859,6 +859,11 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: _Options, exit_tar
         )
     else:
         overall["gen_layers_per_token"] = float(info.n_layers)
+    if info.looped and len(levels_sorted) > 1:
+        # does depth follow difficulty? rank correlation of each example's mean answer depth
+        # (teacher-forced exit depths) with its difficulty level
+        ex_depth = [float(t["tok_depth"][e.content].mean()) for t, e in zip(tf, examples)]
+        overall["depth_difficulty_spearman"] = spearman([e.level for e in examples], ex_depth)
     result["overall"] = overall
 
     # --- forced depths (test-time scaling) -------------------------------------------------------

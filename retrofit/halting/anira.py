@@ -16,16 +16,69 @@ like the model's own, ~8% of a 13.7M model; that would break our 3% budget at LL
 For ANIRA-O, a token that exited keeps its state (passthrough), so its later halting
 probabilities equal the one at its exit depth; ``distribution`` fills them in that way instead
 of running the decider on copies.
+
+Training loss (§4, ANIRA §3.2.1)::
+
+    L = L_CE + γ · L_C,    L_C = mean_i KL(q_i ‖ p),    p(d) ∝ b^(-d), d = 1 … D
+
+``L_CE`` is the model's own ``outputs.loss``; it covers answer tokens only because the SFT labels
+mask the prompt (TRL's completion-only loss). ``L_C`` averages over *all* non-padding tokens, the
+prompt included. The decider gets gradient from both: directly from ``L_C`` and, through the
+straight-through weights, from ``L_CE``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from ..config import LoopConfig
 from ..heads import DeciderFFN
-from .base import HaltContext, HaltingMethod
+from .base import AuxLoss, HaltContext, HaltingMethod, LossConfig
+
+
+def log_prior(max_depth: int, base: float, device=None) -> torch.Tensor:
+    """``log p(d)`` for ``p(d) ∝ b^(-d)``, ``d = 1 … D``: ``[D]`` float32 (uniform when ``b = 1``)."""
+    d = torch.arange(1, max_depth + 1, dtype=torch.float64, device=device)
+    logits = -d * math.log(base)
+    return (logits - logits.logsumexp(0)).float()
+
+
+def kl_to_prior(q: torch.Tensor, base: float, log_q: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token ``KL(q ‖ p)`` with ``p(d) ∝ b^(-d)`` (§4).
+
+    Equals ``-H(q) + log(b) · E_q[d] + log Z`` with ``Z = Σ_d b^(-d)``.
+
+    Args:
+        q: ``[..., D]`` depth distributions (rows sum to 1).
+        base: the prior's base ``b > 0``.
+        log_q: ``log q`` when known stably (ANIRA-E's log-softmax); else ``log`` of ``q`` clamped at
+            1e-30, so ``q = 0`` contributes 0 with a finite gradient.
+
+    Returns:
+        ``[...]`` float32.
+    """
+    q = q.float()
+    log_q = q.clamp_min(1e-30).log() if log_q is None else log_q.float()
+    lp = log_prior(q.shape[-1], base, q.device)
+    return (q * (log_q - lp)).sum(-1)
+
+
+def _prior_loss(q, log_q, attention_mask, cfg: LossConfig) -> AuxLoss:
+    kl = kl_to_prior(q, cfg.prior_base, log_q)  # [B, T]
+    mask = torch.ones_like(kl, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    n = mask.sum().clamp_min(1)
+    l_c = torch.where(mask, kl, torch.zeros_like(kl)).sum() / n
+    with torch.no_grad():
+        d = torch.arange(1, q.shape[-1] + 1, device=q.device, dtype=torch.float32)
+        exp_d = (q.float() * d).sum(-1)
+        metrics = {
+            "kl_prior": l_c.detach(),
+            "expected_depth_q": torch.where(mask, exp_d, torch.zeros_like(exp_d)).sum() / n,
+        }
+    return AuxLoss(cfg.gamma * l_c, metrics)
 
 
 class AniraEarly(HaltingMethod):
@@ -60,6 +113,12 @@ class AniraEarly(HaltingMethod):
             hard = F.one_hot(depths - 1, q.shape[-1]).to(soft.dtype)
             st = hard + soft - soft.detach()
         return q, st
+
+    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None) -> AuxLoss:
+        """``γ · L_C`` over all non-padding tokens; ``log q`` from the raw depth logits (stable)."""
+        return _prior_loss(
+            outputs.depth_probs, outputs.depth_logits_q.float().log_softmax(-1), attention_mask, cfg
+        )
 
 
 class AniraOnline(HaltingMethod):
@@ -99,6 +158,10 @@ class AniraOnline(HaltingMethod):
             hard = F.one_hot(depths - 1, q.shape[-1]).to(q.dtype)
             st = hard + q - q.detach()
         return q, st
+
+    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None) -> AuxLoss:
+        """``γ · L_C`` over all non-padding tokens."""
+        return _prior_loss(outputs.depth_probs, None, attention_mask, cfg)
 
 
 def online_distribution(alphas: list[torch.Tensor], depths: torch.Tensor, max_depth: int) -> torch.Tensor:

@@ -13,15 +13,32 @@ the remaining mass ``Π_{j<d*} c^(j)``; ``p_t = Σ_d π_d softmax(z^(d))``.
 The top-K probabilities enter the decider detached: they are features of the current prediction,
 and letting the decider's loss reshape the LM distribution through them is not what the seed
 describes.
+
+Training loss (§3, "lookahead depth supervision")::
+
+    L = L_NTP(mixture) + α_D · L_D,     α_D = 0.05
+
+``L_NTP`` is the model's own ``outputs.loss`` (NLL of the mixture). ``L_D`` is a cost-sensitive BCE
+on the continue probabilities against lookahead labels built by ``lookahead_labels`` from the
+per-token loss gains ``δ^(d) = ℓ^(d) - ℓ^(d+1)``; see that function for the exact rule, and
+``decider_loss`` for the weighting.
+
+The cutoff κ is computed from the gains of *one* forward: under data parallelism each process
+(and, with gradient accumulation, each micro-batch) uses its own κ. We do not all-gather the gains:
+the ρ-quantile of a few thousand gains is a stable statistic, and a gather would add a collective
+of variable size to every micro-step. Runs with tiny micro-batches get noisier cutoffs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from ..config import LoopConfig
 from ..heads import DeciderFFN
-from .base import HaltContext, HaltingMethod
+from .base import AuxLoss, HaltContext, HaltingMethod, LossConfig
 
 
 class TaH2(HaltingMethod):
@@ -58,6 +75,29 @@ class TaH2(HaltingMethod):
         """π ``[B, T, D]`` from the continue probabilities, given exit depths ``[B, T]``."""
         return mixture_weights(ctx.signals, depths, ctx.max_depth), None
 
+    # -- training ------------------------------------------------------------------------------
+    needs_depth_losses = True
+
+    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None) -> AuxLoss | None:
+        """``α_D · L_D`` (§3) from ``outputs.depth_nll`` and ``outputs.halt_signals``.
+
+        Only positions with a next-token label (``labels[:, t + 1] != -100``) get decider labels:
+        the gain ``δ`` is undefined elsewhere. ``attention_mask`` is not needed (padding has
+        label -100).
+        """
+        if outputs.halt_signals is None:  # max_depth == 1: no decision was made
+            return None
+        if outputs.depth_nll is None:
+            raise ValueError(
+                "TaH2's decider loss needs outputs.depth_nll: call the model with labels= "
+                "(training mode computes it; in eval mode also pass output_depth_losses=True)"
+            )
+        lab = lookahead_labels(
+            outputs.depth_nll, next_token_mask(labels), cfg.rho, n_decisions=outputs.halt_signals.shape[-1]
+        )
+        l_d, metrics = decider_loss(outputs.halt_signals, lab, cfg.decider_weighting, self.loop.exit_threshold)
+        return AuxLoss(cfg.alpha_d * l_d, metrics)
+
 
 def mixture_weights(cont: list[torch.Tensor], depths: torch.Tensor, max_depth: int) -> torch.Tensor:
     """Halting weights of the output mixture.
@@ -88,3 +128,138 @@ def mixture_weights(cont: list[torch.Tensor], depths: torch.Tensor, max_depth: i
         out.append(w)
         survive = next_survive
     return torch.stack(out, dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Lookahead depth supervision (METHODS.md §3)
+# ------------------------------------------------------------------------------------------------
+def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: position ``t`` has a next-token target (``labels[:, t + 1] != -100``).
+
+    The model's per-depth losses ``depth_nll[:, t]`` score the prediction made at ``t`` of token
+    ``t + 1`` (the shift of causal LM training), and are 0, not NaN, where that label is -100.
+    """
+    return F.pad(labels[:, 1:], (0, 1), value=-100) != -100
+
+
+def gain_cutoff(gains: torch.Tensor, rho: float) -> torch.Tensor:
+    """The cutoff κ of the ρ rule (§3).
+
+    Sort the positive gains in descending order and keep the smallest prefix whose sum reaches
+    ``rho`` times the total positive gain; κ is the smallest kept gain.
+
+    Args:
+        gains: ``[N]`` gains δ of every decision in the batch (any sign).
+        rho: share of the total positive gain to cover, in (0, 1].
+
+    Returns:
+        Scalar float64 tensor. ``0`` when no gain is positive: then no decision is labeled
+        "continue" (see ``lookahead_labels``).
+    """
+    pos = gains[gains > 0].double()
+    if pos.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=gains.device)
+    pos = pos.sort(descending=True).values
+    cums = pos.cumsum(0)
+    # cums is strictly increasing: the first index whose prefix sum reaches the target. Comparing
+    # against cums[-1] (the same summation) makes rho = 1 land exactly on the last gain.
+    idx = torch.searchsorted(cums, rho * cums[-1]).clamp_max(pos.numel() - 1)
+    return pos[idx]
+
+
+@dataclass
+class LookaheadLabels:
+    """Per-decision supervision of the TaH2 decider; ``K`` = number of decisions (≤ D - 1).
+
+    Attributes:
+        delta: ``[B, T, K]`` float64 gains ``δ^(d) = ℓ^(d) - ℓ^(d+1)``; NaN where no decision was made.
+        decided: ``[B, T, K]`` bool: the decision at depth d was made (d ≤ d*, d < D) on a labeled
+            position.
+        labels: ``[B, T, K]`` float 0/1 targets ``y^(d)`` (1 = continue); 0 where not decided.
+        weights: ``[B, T, K]`` cost-sensitive weights ``|δ - κ|``; 0 where not decided.
+        kappa: scalar float64 cutoff κ.
+    """
+
+    delta: torch.Tensor
+    decided: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+    kappa: torch.Tensor
+
+
+def lookahead_labels(
+    depth_nll: torch.Tensor, token_mask: torch.Tensor, rho: float = 0.99, n_decisions: int | None = None
+) -> LookaheadLabels:
+    """Lookahead labels for the TaH2 decider (METHODS.md §3).
+
+    For each labeled token and each decision it made (depths ``d = 1 … min(d*, D - 1)``), the gain of
+    one more iteration is ``δ^(d) = ℓ^(d) - ℓ^(d+1)``; ``ℓ^(d*+1)`` comes from the gradient-free
+    lookahead iteration the model runs for halted tokens. With κ = ``gain_cutoff`` of all gains in
+    the batch::
+
+        y^(d) = 1  iff  δ^(d) ≥ κ  (and δ^(d) > 0, which only matters when no gain is positive)
+        y^(d) = 0  for every d after the token's first 0 ("stop is absorbing")
+
+    Args:
+        depth_nll: ``[B, T, D]`` per-depth next-token losses; NaN where not computed (the model's
+            ``outputs.depth_nll``).
+        token_mask: ``[B, T]`` bool, positions with a next-token label (``next_token_mask``).
+        rho: cutoff mass ρ (0.99; 1.0 keeps every positive gain).
+        n_decisions: how many decisions the forward made (``halt_signals.shape[-1]``); default D - 1.
+
+    Returns:
+        ``LookaheadLabels``.
+    """
+    D = depth_nll.shape[-1]
+    K = D - 1 if n_decisions is None else min(n_decisions, D - 1)
+    nll = depth_nll.detach().double()
+    delta = nll[..., :K] - nll[..., 1 : K + 1]  # NaN unless both depths were computed
+    decided = torch.isfinite(delta) & token_mask[..., None].to(delta.device)
+    delta = delta.masked_fill(~decided, float("nan"))
+    kappa = gain_cutoff(delta[decided], rho)
+    raw = decided & (delta >= kappa) & (delta > 0)
+    labels = raw.long().cumprod(-1).bool() & decided  # absorbing stop
+    weights = torch.where(decided, (delta - kappa).abs(), torch.zeros_like(delta))
+    return LookaheadLabels(delta=delta, decided=decided, labels=labels.to(delta.dtype), weights=weights, kappa=kappa)
+
+
+def decider_loss(
+    cont: torch.Tensor, lab: LookaheadLabels, weighting: str = "distance", exit_threshold: float = 0.5
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Cost-sensitive BCE of the continue probabilities against the lookahead labels (§3).
+
+    ``L_D = Σ w · BCE(c^(d), y^(d)) / Σ w`` over the decisions that were made, with
+    ``w = |δ - κ|`` (``weighting="distance"``: decisions far from the cutoff matter most) or
+    ``w = 1`` (``"uniform"``, the seed's ablation). A batch whose weights sum to 0 gives 0.
+
+    Args:
+        cont: ``[B, T, k]`` continue probabilities ``c^(1..k)`` (``outputs.halt_signals``).
+        lab: ``lookahead_labels`` output with ``K ≥ k`` or ``K ≤ k`` (the common prefix is used).
+        weighting: ``"distance"`` or ``"uniform"``.
+        exit_threshold: τ_exit, only for the logged decision accuracy.
+
+    Returns:
+        ``(L_D scalar with grad, metrics)``; metrics are detached scalars: ``decider_loss``,
+        ``kappa``, ``continue_label_rate``, ``decider_accuracy``, ``decisions``.
+    """
+    if weighting not in ("distance", "uniform"):
+        raise ValueError(f"weighting must be 'distance' or 'uniform', got {weighting!r}")
+    K = min(cont.shape[-1], lab.labels.shape[-1])
+    c = cont[..., :K].float()
+    m = lab.decided[..., :K]
+    y = lab.labels[..., :K].float()
+    w = lab.weights[..., :K].float() if weighting == "distance" else m.float()
+    bce = F.binary_cross_entropy(c, y, reduction="none")
+    bce = torch.where(m, bce, torch.zeros_like(bce))  # masked positions may hold anything
+    loss = (w * bce).sum() / w.sum().clamp_min(1e-12)
+    with torch.no_grad():
+        n = m.sum()
+        denom = n.clamp_min(1).float()
+        metrics = {
+            "decider_loss": loss.detach(),
+            "kappa": lab.kappa.float(),
+            "continue_label_rate": (y * m).sum() / denom,
+            "decider_accuracy": (((c >= exit_threshold).float() == y) & m).sum() / denom,
+            "decisions": n.float(),
+        }
+    return loss, metrics

@@ -1,0 +1,560 @@
+"""SFT for looped models: a TRL ``SFTTrainer`` subclass that runs the real looped forward and adds
+each halting method's auxiliary loss (METHODS.md §3–4), plus the pieces the recipes share.
+
+Why a subclass: TRL's ``SFTTrainer.compute_loss`` asks the model for per-token log-probabilities
+through its "fused LM head", which for a plain transformers model runs only the backbone
+(ECOSYSTEM.md, TRL; retrofit's looped classes intercept it, see ``retrofit.modeling``). Either way
+it returns the next-token loss alone: no halting distribution, no per-depth losses, no decider
+signals. ``RetrofitSFTTrainer.compute_loss`` calls the looped forward itself and adds
+``method.loss(...)``:
+
+- TaH2: ``L = L_NTP(mixture) + α_D · L_D`` (lookahead labels, cost-sensitive BCE);
+- ANIRA-E/O: ``L = L_CE(answer tokens) + γ · L_C`` (KL to the geometric prior, all tokens);
+- fixed: ``L = L_NTP``, optionally with a random depth per batch and truncated backprop.
+
+It logs, through TRL's ``self._metrics`` (so ``report_to="tensorboard"`` picks them up):
+``ntp_loss``, ``aux_loss``, ``mean_depth`` (d̄ over non-padding tokens), ``mean_depth_answer``
+(d̄ over positions that predict an answer token), ``depth_frac_<d>`` (fraction of tokens per
+depth), ``mean_token_accuracy`` and the method's own scalars (TaH2: ``decider_loss``, ``kappa``,
+``continue_label_rate``, ``decider_accuracy``; ANIRA: ``kl_prior``, ``expected_depth_q``). With a
+TensorBoard writer active it also writes a ``depth_histogram``.
+
+Robustness:
+
+- a NaN/inf training loss raises ``NonFiniteLossError`` naming the step *before* the backward
+  pass, so no bad update is applied and the last checkpoint on disk is the last good one;
+- checkpoints are staged and renamed into place (``retrofit.checkpointing``): an interrupted save
+  never leaves a ``checkpoint-N`` folder behind;
+- bad rows (missing columns, empty completions, rows longer than ``max_length``) are a clear error
+  or a counted, logged skip (``format_sft_dataset`` and the trainer's length filter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import datasets
+import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from trl import SFTConfig, SFTTrainer
+
+from .checkpointing import STAGING_PREFIX, commit, last_checkpoint, remove_stale_staging, staging_path
+from .config import LoopConfig
+from .halting.base import AuxLoss, LossConfig
+from .halting.tah2 import next_token_mask
+from .modeling import LoopedForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite; training stopped before the optimizer step."""
+
+
+class BadDataError(ValueError):
+    """The dataset cannot be used for SFT; the message says what is wrong and what is expected."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class RetrofitSFTConfig(SFTConfig):
+    """``SFTConfig`` plus the looped methods' loss weights and training switches.
+
+    Every paper choice is a field, so an ablation is one flag (``--decider_weighting uniform``,
+    ``--rho 1.0``). Model-side switches (``train_decisions="sample"``, ``mixture_output=False``,
+    ``fixed_graph``) live in ``LoopConfig``; the recipes expose them as flags too.
+
+    On a machine without CUDA, ``bf16`` defaults to False (TRL defaults it to True). Unused
+    parameters are expected (an adaptive depth may skip the updater in a step), so
+    ``ddp_find_unused_parameters`` defaults to True.
+    """
+
+    alpha_d: float = field(default=0.05, metadata={"help": "TaH2: weight α_D of the decider loss (METHODS.md §3: 0.05)."})
+    rho: float = field(
+        default=0.99,
+        metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels (0.99); 1.0 = keep every positive gain (ablation)."},
+    )
+    decider_weighting: str = field(
+        default="distance",
+        metadata={"help": "TaH2: BCE weights, 'distance' = |δ - κ| (cost-sensitive) or 'uniform' (ablation)."},
+    )
+    gamma: float = field(default=0.01, metadata={"help": "ANIRA: weight γ of the KL-to-prior loss L_C (§4)."})
+    prior_base: float = field(
+        default=2.0, metadata={"help": "ANIRA: base b of the depth prior p(d) ∝ b^(-d); 1 = entropy term only."}
+    )
+    random_depth: bool = field(
+        default=False,
+        metadata={"help": "fixed: draw one depth per micro-batch from Huginn's Poisson-lognormal (clipped to 1..D)."},
+    )
+    random_depth_mean: float | None = field(
+        default=None, metadata={"help": "fixed: mean depth r̄ of the random depth; default (max_depth + 1) / 2."}
+    )
+    random_depth_sigma: float = field(default=0.5, metadata={"help": "fixed: σ of the log-normal rate (Huginn: 0.5)."})
+    truncate_backprop: int | None = field(
+        default=None,
+        metadata={"help": "Backprop through the last k core iterations only (Huginn: 8); None = all iterations."},
+    )
+    atomic_checkpoints: bool = field(
+        default=True, metadata={"help": "Stage each checkpoint in a hidden folder and rename it into place when complete."}
+    )
+    depth_histogram: bool = field(
+        default=True, metadata={"help": "Write a TensorBoard histogram of exit depths at every logging step."}
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None and not self.fp16 and (self.use_cpu or not torch.cuda.is_available()):
+            self.bf16 = False  # TRL defaults to bf16=True, which CPUs run slowly and with other numerics
+        if self.activation_checkpointing is None:  # TRL's default (on), under transformers 5's name
+            self.activation_checkpointing = self.gradient_checkpointing
+        if self.ddp_find_unused_parameters is None:
+            self.ddp_find_unused_parameters = True
+        if self.truncate_backprop is not None and self.truncate_backprop < 1:
+            raise ValueError(f"truncate_backprop must be None or >= 1, got {self.truncate_backprop!r}")
+        if self.random_depth_sigma < 0:
+            raise ValueError(f"random_depth_sigma must be >= 0, got {self.random_depth_sigma!r}")
+        if self.random_depth_mean is not None and self.random_depth_mean < 1:
+            raise ValueError(f"random_depth_mean must be >= 1 (a depth), got {self.random_depth_mean!r}")
+        _ = self.loss_config  # validates alpha_d, rho, decider_weighting, gamma, prior_base
+        super().__post_init__()
+
+    @property
+    def loss_config(self) -> LossConfig:
+        return LossConfig(
+            alpha_d=self.alpha_d,
+            rho=self.rho,
+            decider_weighting=self.decider_weighting,
+            gamma=self.gamma,
+            prior_base=self.prior_base,
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------
+def format_sft_dataset(dataset, chat: bool = False, completion_column: str | None = None):
+    """Validate rows and turn them into TRL prompt/completion rows.
+
+    Args:
+        dataset: a ``datasets.Dataset`` with a ``prompt`` column and a ``completion`` or ``answer``
+            column (``data_prep.tasks.build_splits`` gives ``prompt, answer, difficulty, task``).
+        chat: make conversational rows (``[{"role": "user", ...}]`` / ``[{"role": "assistant", ...}]``)
+            for a tokenizer with a chat template; else plain strings (TRL appends EOS).
+        completion_column: which column holds the target; default ``completion``, else ``answer``.
+
+    Returns:
+        ``(dataset, report)``: the formatted dataset (other columns kept) and a dict of counts
+        ``{"rows", "kept", "empty_completion", "malformed"}``.
+
+    Raises:
+        BadDataError: a required column is missing, or no row is usable.
+    """
+    cols = list(dataset.column_names)
+    if completion_column is None:
+        completion_column = "completion" if "completion" in cols else "answer"
+    missing = [c for c in ("prompt", completion_column) if c not in cols]
+    if missing:
+        raise BadDataError(
+            f"the dataset lacks column(s) {missing}; it has {cols}. SFT rows need 'prompt' and "
+            f"'completion' (or 'answer'), both strings"
+        )
+    n = len(dataset)
+    kinds = []
+    for p, c in zip(dataset["prompt"], dataset[completion_column]):
+        if not isinstance(p, str) or not isinstance(c, str):
+            kinds.append("malformed")
+        elif not c.strip():
+            kinds.append("empty_completion")
+        else:
+            kinds.append("ok")
+    report = {
+        "rows": n,
+        "kept": kinds.count("ok"),
+        "empty_completion": kinds.count("empty_completion"),
+        "malformed": kinds.count("malformed"),
+    }
+    if report["kept"] == 0:
+        raise BadDataError(f"no usable row in the dataset: {report}")
+    if report["kept"] < n:
+        logger.warning(
+            "skipped %d of %d rows: %d with an empty completion, %d malformed (prompt/completion not strings)",
+            n - report["kept"], n, report["empty_completion"], report["malformed"],
+        )
+        keep = [i for i, k in enumerate(kinds) if k == "ok"]
+        dataset = dataset.select(keep)
+
+    def to_row(ex):
+        p, c = ex["prompt"], ex[completion_column]
+        if chat:
+            return {"prompt": [{"role": "user", "content": p}], "completion": [{"role": "assistant", "content": c}]}
+        return {"prompt": p, "completion": c}
+
+    drop = [completion_column] if completion_column != "completion" else []
+    if chat:
+        drop += [c for c in ("prompt", "completion") if c in cols and c not in drop]
+    dataset = dataset.map(to_row, remove_columns=drop or None)
+    return dataset, report
+
+
+# ------------------------------------------------------------------------------------------------
+# Model helpers for the recipes
+# ------------------------------------------------------------------------------------------------
+#: LoRA targets per looped model type: the backbone's attention and MLP projections. PEFT has no
+#: defaults for unknown model types (ECOSYSTEM.md), so they are explicit.
+LORA_TARGETS: dict[str, list[str]] = {
+    "looped_llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "looped_qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+#: modules that train fully next to the adapters (and are saved with them)
+LORA_MODULES_TO_SAVE = ["updater", "halting"]
+
+
+def apply_lora(model: LoopedForCausalLM, r: int = 16, alpha: int = 32, dropout: float = 0.0, targets=None):
+    """Wrap ``model`` for LoRA: adapters on the backbone projections, updater and decider trained fully.
+
+    Args:
+        model: a looped model.
+        r, alpha, dropout: LoRA rank, scaling numerator and dropout.
+        targets: module names to adapt; default ``LORA_TARGETS[model_type]``.
+
+    Returns:
+        A ``peft.PeftModel``.
+
+    Raises:
+        ValueError: no default targets for this model type and none given.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    mt = model.config.model_type
+    if targets is None:
+        if mt not in LORA_TARGETS:
+            raise ValueError(f"no default LoRA targets for model type {mt!r} (known: {sorted(LORA_TARGETS)}); pass targets=")
+        targets = LORA_TARGETS[mt]
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(targets),
+        modules_to_save=list(LORA_MODULES_TO_SAVE),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, cfg)
+
+
+def zero3_enabled(args=None) -> bool:
+    """DeepSpeed ZeRO stage 3 is configured (by ``TrainingArguments`` or ``accelerate launch``)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return True
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and os.environ.get(
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE", ""
+    ) == "3"
+
+
+def build_looped_model(spec: str, loop: LoopConfig, dtype=None):
+    """Load ``spec`` (``retrofit.loading.load_model``) and retrofit it with ``loop``.
+
+    A folder that already holds a looped checkpoint is loaded as is (its own ``LoopConfig`` wins;
+    a different ``loop`` only logs a warning, except ``fixed_graph``, which is set).
+
+    Returns:
+        ``(model, tokenizer)``.
+    """
+    from .convert import convert
+    from .loading import load_model
+
+    base, tok = load_model(spec, dtype=dtype)
+    if isinstance(base, LoopedForCausalLM):
+        have = base.loop
+        if have.to_dict() != {**loop.to_dict(), "fixed_graph": have.fixed_graph}:
+            logger.warning("%s is already looped with %s; ignoring the requested %s", spec, have, loop)
+        if loop.fixed_graph and not have.fixed_graph:
+            base.config.loop = {**base.config.loop, "fixed_graph": True}
+        return base, tok
+    return convert(base, loop), tok
+
+
+def _unwrap_looped(model) -> LoopedForCausalLM:
+    from peft import PeftModel
+
+    inner = model.get_base_model() if isinstance(model, PeftModel) else model
+    if not isinstance(inner, LoopedForCausalLM):
+        raise TypeError(
+            f"RetrofitSFTTrainer trains looped models (retrofit.convert(...)); got {type(inner).__name__}"
+        )
+    return inner
+
+
+# ------------------------------------------------------------------------------------------------
+# Trainer
+# ------------------------------------------------------------------------------------------------
+class RetrofitSFTTrainer(SFTTrainer):
+    """``SFTTrainer`` for looped models; see the module docstring.
+
+    Takes the same arguments as ``SFTTrainer``, with ``args`` a ``RetrofitSFTConfig`` and ``model``
+    a looped model (or a PEFT wrapper of one). ``self.data_report`` counts the rows skipped for
+    length or for having no trainable token.
+    """
+
+    _tag_names = ["trl", "sft", "retrofit"]
+
+    def __init__(self, model, args: RetrofitSFTConfig, *pargs, **kwargs):
+        if not isinstance(args, RetrofitSFTConfig):
+            raise TypeError(f"args must be a RetrofitSFTConfig, got {type(args).__name__}")
+        self._looped = _unwrap_looped(model)
+        self._staging_root: str | None = None
+        self._depth_counts = {"train": None, "eval": None}
+        self.data_report: dict[str, dict] = {}
+        # TRL truncates long rows silently (which would cut answers); prepare untruncated, then drop
+        # and count the rows that do not fit. With packing, max_length is the pack size: keep it.
+        self._max_length = args.max_length if not args.packing else None  # None: TRL handles length
+        with self._untruncated(args):
+            super().__init__(model, args, *pargs, **kwargs)
+        self.train_dataset = self._drop_bad_rows(self.train_dataset, "train")
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: self._drop_bad_rows(v, k) for k, v in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self._drop_bad_rows(self.eval_dataset, "eval")
+        if self.args.should_save:
+            remove_stale_staging(self.args.output_dir)
+
+    # -- data --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _untruncated(self, args):
+        """TRL's dataset preparation without its truncation (we drop and count long rows instead)."""
+        if self._max_length is None:
+            yield
+            return
+        args.max_length = None
+        try:
+            yield
+        finally:
+            args.max_length = self._max_length
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """``SFTTrainer.evaluate``; a dataset passed here gets the same length filter as at init."""
+        if eval_dataset is not None and not isinstance(eval_dataset, str) and not self._skip_prepare_dataset:
+            packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
+            named = eval_dataset if isinstance(eval_dataset, dict) else {metric_key_prefix: eval_dataset}
+            with self._untruncated(self.args):
+                named = {
+                    k: self._prepare_dataset(v, self.processing_class, self.args, packing, self._formatting_func, k)
+                    for k, v in named.items()
+                }
+            named = {k: self._drop_bad_rows(v, k) for k, v in named.items()}
+            eval_dataset = named if isinstance(eval_dataset, dict) else named[metric_key_prefix]
+        return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    def _drop_bad_rows(self, dataset, name: str):
+        max_length = self._max_length
+        if dataset is None or not isinstance(dataset, datasets.Dataset) or "input_ids" not in dataset.column_names:
+            return dataset
+        n = len(dataset)
+        lengths = [len(x) for x in dataset["input_ids"]]
+        has_labels = "labels" in dataset.column_names
+        trainable = [any(t != -100 for t in x[1:]) for x in dataset["labels"]] if has_labels else [True] * n
+        too_long = [max_length is not None and L > max_length for L in lengths]
+        keep = [i for i in range(n) if trainable[i] and not too_long[i]]
+        report = {"rows": n, "kept": len(keep), "too_long": sum(too_long), "no_trainable_token": n - sum(trainable)}
+        self.data_report[name] = report
+        if len(keep) < n:
+            logger.warning(
+                "%s: skipped %d of %d rows: %d longer than max_length=%s tokens, %d without a trainable token",
+                name, n - len(keep), n, report["too_long"], max_length, report["no_trainable_token"],
+            )
+        if not keep:
+            raise BadDataError(
+                f"{name}: no row left after filtering ({report}); raise --max_length (longest row: {max(lengths)} tokens)"
+            )
+        return dataset.select(keep) if len(keep) < n else dataset
+
+    # -- loss --------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        method = self._looped.halting
+        labels = inputs["labels"]
+        attention_mask = inputs.get("attention_mask")
+        fwd = {"input_ids": inputs["input_ids"], "labels": labels}
+        for key in ("attention_mask", "position_ids"):
+            if inputs.get(key) is not None:
+                fwd[key] = inputs[key]
+        if num_items_in_batch is not None:
+            fwd["num_items_in_batch"] = num_items_in_batch
+        if method.needs_depth_losses:
+            fwd["output_depth_losses"] = True
+        if mode == "train":
+            fwd.update(method.train_forward_kwargs(self.args))
+            if self.args.truncate_backprop is not None:
+                fwd["backprop_depth"] = self.args.truncate_backprop
+        outputs = model(**fwd)
+
+        ntp = outputs.loss
+        # like Trainer/TRL: num_items_in_batch counts every rank's tokens and DDP averages gradients
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            ntp = ntp * (self.accelerator.num_processes // self.get_tp_size())
+        aux: AuxLoss | None = method.loss(outputs, labels, self.args.loss_config, attention_mask)
+        loss = ntp
+        if aux is not None:
+            # a per-micro-batch mean: when num_items_in_batch is given the Trainer no longer divides
+            # by the accumulation steps, so we do (as TRL does for the MoE aux loss)
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None and mode == "train" else 1
+            loss = loss + aux.loss / steps
+
+        if mode == "train":
+            self._check_finite(loss, ntp, aux)
+        self._record_metrics(mode, outputs, labels, attention_mask, aux, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+    def _check_finite(self, loss, ntp, aux) -> None:
+        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+        if self.accelerator.num_processes > 1:
+            # every rank must stop together, or the others hang in the next collective
+            bad = self.accelerator.reduce(bad, reduction="sum")
+        if bool(bad.item() > 0):
+            step = self.state.global_step + 1
+            good = last_checkpoint(self.args.output_dir)
+            parts = f"next-token loss {ntp.item():.6g}" + (f", auxiliary loss {aux.loss.item():.6g}" if aux is not None else "")
+            raise NonFiniteLossError(
+                f"non-finite training loss at step {step} (epoch {self.state.epoch or 0:.3f}; {parts} on this "
+                f"process). Training stopped before the optimizer step, so no bad update was applied. Last good "
+                f"checkpoint: {good or 'none saved yet'}. Try a lower learning rate, gradient clipping "
+                f"(--max_grad_norm), fp32 instead of fp16, or check the data near this step."
+            )
+
+    @torch.no_grad()
+    def _record_metrics(self, mode, outputs, labels, attention_mask, aux: AuxLoss | None, num_items_in_batch):
+        D = self._looped.loop.max_depth
+        depths = outputs.depths
+        valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(depths, dtype=torch.bool)
+        ans = next_token_mask(labels) & valid
+        counts = torch.stack([((depths == d) & valid).sum() for d in range(1, D + 1)]).float()
+        logits = outputs.logits
+        shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+        correct = ((logits.argmax(-1) == shift) & ans).sum().float()
+        n_ans = ans.sum().float()
+        # the model's loss is this micro-batch's NLL sum over num_items_in_batch (or its own count)
+        ntp_sum = outputs.loss.detach().float() * (
+            num_items_in_batch if num_items_in_batch is not None else n_ans.clamp_min(1)
+        )
+        aux_names = sorted(aux.metrics) if aux is not None else []
+        aux_vals = [aux.metrics[k].float().reshape(()) for k in aux_names]
+        dev = counts.device
+        local = torch.cat(
+            [
+                counts,
+                torch.stack([(depths * ans).sum().float(), n_ans, correct, ntp_sum.to(dev)]),
+                torch.stack([aux.loss.detach().float()] + aux_vals).to(dev) if aux is not None else counts.new_zeros(0),
+            ]
+        )
+        n_proc = self.accelerator.num_processes
+        total = self.accelerator.reduce(local, reduction="sum") if n_proc > 1 else local
+        counts_t = total[:D]
+        depth_sum_ans, n_ans_t, correct_t, ntp_sum_t = total[D : D + 4].tolist()
+        n_tok = counts_t.sum().clamp_min(1)
+        d = torch.arange(1, D + 1, device=dev, dtype=torch.float32)
+        m = self._metrics[mode]
+        m["ntp_loss"].append(ntp_sum_t / max(n_ans_t, 1.0))
+        m["mean_depth"].append(((counts_t * d).sum() / n_tok).item())
+        m["mean_depth_answer"].append(depth_sum_ans / max(n_ans_t, 1.0))
+        m["mean_token_accuracy"].append(correct_t / max(n_ans_t, 1.0))
+        for k in range(D):
+            m[f"depth_frac_{k + 1}"].append((counts_t[k] / n_tok).item())
+        if aux is not None:
+            rest = (total[D + 4 :] / n_proc).tolist()
+            m["aux_loss"].append(rest[0])
+            for name, v in zip(aux_names, rest[1:]):
+                m[name].append(v)
+        if mode == "train":
+            self._total_train_tokens += int(n_tok.item()) // self._tp_size
+            m["num_tokens"] = [self._total_train_tokens]
+        acc = self._depth_counts[mode]
+        self._depth_counts[mode] = counts_t.cpu() if acc is None else acc + counts_t.cpu()
+
+    # -- logging -----------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        super().log(logs, start_time)
+        counts, self._depth_counts[mode] = self._depth_counts[mode], None
+        if counts is not None and self.args.depth_histogram:
+            self._write_depth_histogram(mode, counts)
+
+    def _write_depth_histogram(self, mode: str, counts: torch.Tensor) -> None:
+        from transformers.integrations import TensorBoardCallback
+
+        writer = next(
+            (cb.tb_writer for cb in self.callback_handler.callbacks if isinstance(cb, TensorBoardCallback) and cb.tb_writer),
+            None,
+        )
+        if writer is None or counts.sum() <= 0:
+            return
+        D = counts.numel()
+        d = torch.arange(1, D + 1, dtype=torch.float64)
+        c = counts.double()
+        writer.add_histogram_raw(
+            tag=f"{mode}/depth_histogram",
+            min=float(d[c > 0].min()),
+            max=float(d[c > 0].max()),
+            num=int(c.sum()),
+            sum=float((c * d).sum()),
+            sum_squares=float((c * d * d).sum()),
+            bucket_limits=[k + 0.5 for k in range(1, D + 1)],
+            bucket_counts=[int(x) for x in c.tolist()],
+            global_step=self.state.global_step,
+        )
+        writer.flush()
+
+    # -- atomic checkpoints ------------------------------------------------------------------------
+    def _get_output_dir(self, trial) -> str:
+        if self._staging_root is not None:
+            return self._staging_root
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        if not self.args.atomic_checkpoints:
+            return super()._save_checkpoint(model, trial)
+        run_dir = super()._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final = os.path.join(run_dir, name)
+        root = os.path.join(run_dir, f"{STAGING_PREFIX}{name}")
+        if self.args.should_save and os.path.exists(root):
+            shutil.rmtree(root)
+        self.accelerator.wait_for_everyone()
+        # the Trainer writes <run_dir>/checkpoint-N; pointing run_dir at the staging root makes it
+        # write <root>/checkpoint-N, which we rename into place once every rank is done
+        self._staging_root = root
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_root = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            commit(os.path.join(root, name), final)
+            shutil.rmtree(root, ignore_errors=True)
+            best = self.state.best_model_checkpoint
+            if best is not None and best.startswith(root):
+                self.state.best_model_checkpoint = final
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()
+
+    def save_model_atomic(self, output_dir: str) -> None:
+        """``save_model`` into a staging folder, renamed to ``output_dir`` once complete (all ranks call it)."""
+        tmp = str(staging_path(output_dir))
+        if self.args.should_save and os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        self.accelerator.wait_for_everyone()
+        self.save_model(tmp)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            commit(tmp, output_dir)
+        self.accelerator.wait_for_everyone()

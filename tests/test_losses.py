@@ -1,0 +1,463 @@
+"""Training losses of the halting methods (METHODS.md §3–4): TaH2 lookahead labels and decider BCE
+against hand-worked examples and a brute-force reference, ANIRA's KL-to-prior against a direct
+computation and its decomposition, straight-through gradients, and a contract test over every
+registered method."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import retrofit
+from retrofit.halting import HALTING_METHODS
+from retrofit.halting.anira import kl_to_prior, log_prior
+from retrofit.halting.base import AuxLoss, LossConfig
+from retrofit.halting.fixed import sample_poisson_lognormal_depth
+from retrofit.halting.tah2 import decider_loss, gain_cutoff, lookahead_labels, next_token_mask
+from retrofit.testing import tiny_base
+
+NAN = float("nan")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny models gain nothing from threads, and a busy 2-core machine makes 2 threads thrash
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------------------------------------
+# TaH2 labels: hand-worked example
+# ------------------------------------------------------------------------------------------------
+# Five positions, D = 3; dyadic numbers so every difference is exact.
+#   t0: ℓ = 2, 1, 0.875        δ = 1.0, 0.125       (ran to depth 3)
+#   t1: ℓ = 1, 1.5, -           δ = -0.5             (stopped at 1; depth 2 is the lookahead)
+#   t2: ℓ = 3, 2.625, 2         δ = 0.375, 0.625
+#   t3: ℓ = 1, 0.984375, -      δ = 0.015625
+#   t4: no next-token label (masked) although its gains are positive
+# Positive gains, descending: 1, 0.625, 0.375, 0.125, 0.015625; total 2.140625.
+HAND_NLL = torch.tensor(
+    [[[2.0, 1.0, 0.875], [1.0, 1.5, NAN], [3.0, 2.625, 2.0], [1.0, 0.984375, NAN], [0.5, 0.25, 0.0]]]
+)
+HAND_MASK = torch.tensor([[True, True, True, True, False]])
+
+
+@pytest.mark.parametrize(
+    "rho, kappa, labels, weights",
+    [
+        # 0.99 · 2.140625 = 2.1192…: prefix sums 1, 1.625, 2, 2.125 → 4 gains kept, κ = 0.125.
+        # t0 continues twice (0.125 ≥ κ: ties continue); t2 twice; t1, t3 stop.
+        (0.99, 0.125, [[1, 1], [0, 0], [1, 1], [0, 0]], [[0.875, 0.0], [0.625, 0], [0.25, 0.5], [0.109375, 0]]),
+        # 0.75 · total = 1.6054…: prefix 1.625 → κ = 0.625. t2: δ1 = 0.375 < κ stops, so its δ2 = 0.625 ≥ κ
+        # is overridden by the absorbing stop.
+        (0.75, 0.625, [[1, 0], [0, 0], [0, 0], [0, 0]], [[0.375, 0.5], [1.125, 0], [0.25, 0.0], [0.609375, 0]]),
+        # ρ = 1 keeps every positive gain: κ = 0.015625, t3 continues.
+        (1.0, 0.015625, [[1, 1], [0, 0], [1, 1], [1, 0]], [[0.984375, 0.109375], [0.515625, 0], [0.359375, 0.609375], [0.0, 0]]),
+    ],
+)
+def test_lookahead_labels_hand_example(rho, kappa, labels, weights):
+    lab = lookahead_labels(HAND_NLL, HAND_MASK, rho=rho)
+    assert lab.kappa.item() == kappa
+    decided = [[True, True], [True, False], [True, True], [True, False], [False, False]]
+    assert lab.decided[0].tolist() == decided
+    assert lab.labels[0, :4].tolist() == labels
+    assert lab.labels[0, 4].tolist() == [0, 0]
+    assert lab.weights[0, :4].tolist() == weights
+    assert lab.weights[0, 4].tolist() == [0, 0]
+    assert torch.isnan(lab.delta[0, 1, 1]) and torch.isnan(lab.delta[0, 4]).all()
+
+
+def test_no_positive_gain_labels_everything_stop():
+    nll = torch.tensor([[[1.0, 1.25, 1.5], [2.0, 2.0, NAN]]])
+    lab = lookahead_labels(nll, torch.ones(1, 2, dtype=torch.bool), rho=0.99)
+    assert lab.kappa.item() == 0.0
+    assert lab.labels.sum() == 0
+    assert lab.decided[0].tolist() == [[True, True], [True, False]]
+    # |δ - 0|; a zero gain gets weight 0
+    assert lab.weights[0].tolist() == [[0.25, 0.25], [0.0, 0.0]]
+
+
+def test_gain_cutoff_examples():
+    g = torch.tensor([0.5, -1.0, 0.25, 0.25, NAN])
+    # positive: 0.5, 0.25, 0.25 (total 1): 0.5 covers 50%, 0.75 covers 75%, ...
+    assert gain_cutoff(g[torch.isfinite(g)], 0.5).item() == 0.5
+    assert gain_cutoff(g[torch.isfinite(g)], 0.6).item() == 0.25
+    assert gain_cutoff(g[torch.isfinite(g)], 1.0).item() == 0.25
+    assert gain_cutoff(torch.tensor([-1.0, 0.0]), 0.99).item() == 0.0
+
+
+def _brute_force_labels(nll, mask, rho):
+    """Python loops over tokens and depths: the rule as written in METHODS.md §3."""
+    B, T, D = nll.shape
+    nll = nll.double().tolist()
+    deltas = {}
+    for b in range(B):
+        for t in range(T):
+            if not mask[b][t]:
+                continue
+            for d in range(D - 1):
+                a, c = nll[b][t][d], nll[b][t][d + 1]
+                if math.isfinite(a) and math.isfinite(c):
+                    deltas[(b, t, d)] = a - c
+    gains = sorted((g for g in deltas.values() if g > 0), reverse=True)
+    if gains:
+        total, acc, kappa = sum(gains), 0.0, None
+        for g in gains:
+            acc += g
+            kappa = g
+            if acc >= rho * total:
+                break
+    else:
+        kappa = 0.0
+    labels, weights = {}, {}
+    for b in range(B):
+        for t in range(T):
+            stopped = False
+            for d in range(D - 1):
+                if (b, t, d) not in deltas:
+                    continue
+                g = deltas[(b, t, d)]
+                y = 0 if stopped else int(g >= kappa and g > 0)
+                stopped = stopped or y == 0
+                labels[(b, t, d)] = y
+                weights[(b, t, d)] = abs(g - kappa)
+    return kappa, labels, weights
+
+
+def _random_depth_nll(B, T, D, gen):
+    """NaN beyond each token's d* + 1 (the lookahead), as the model returns."""
+    nll = torch.rand(B, T, D, generator=gen, dtype=torch.float64) * 4
+    dstar = torch.randint(1, D + 1, (B, T), generator=gen)
+    for b in range(B):
+        for t in range(T):
+            nll[b, t, min(D, int(dstar[b, t]) + 1) :] = NAN
+    return nll
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lookahead_labels_match_brute_force(seed):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    B, T, D = rnd.randint(1, 3), rnd.randint(1, 9), rnd.randint(2, 5)
+    nll = _random_depth_nll(B, T, D, gen)
+    mask = torch.rand(B, T, generator=gen) < 0.8
+    rho = rnd.choice([0.5, 0.9, 0.99, 1.0])
+    kappa, labels, weights = _brute_force_labels(nll, mask.tolist(), rho)
+    lab = lookahead_labels(nll, mask, rho=rho)
+    assert lab.kappa.item() == pytest.approx(kappa, abs=1e-12)
+    got = {tuple(i): lab.labels[tuple(i)].item() for i in lab.decided.nonzero().tolist()}
+    assert set(got) == set(labels)
+    assert got == {k: float(v) for k, v in labels.items()}
+    for k, w in weights.items():
+        assert lab.weights[k].item() == pytest.approx(w, abs=1e-12)
+    assert lab.weights[~lab.decided].abs().sum() == 0
+
+
+def test_decider_loss_matches_direct_computation():
+    lab = lookahead_labels(HAND_NLL, HAND_MASK, rho=0.99)
+    c = torch.tensor([[[0.9, 0.6], [0.3, 0.5], [0.7, 0.2], [0.8, 0.5], [0.5, 0.5]]], requires_grad=True)
+    loss, metrics = decider_loss(c, lab, "distance")
+    # decided: (t0,d1..2), (t1,d1), (t2,d1..2), (t3,d1)
+    ys = {(0, 0): 1, (0, 1): 1, (1, 0): 0, (2, 0): 1, (2, 1): 1, (3, 0): 0}
+    ws = {(0, 0): 0.875, (0, 1): 0.0, (1, 0): 0.625, (2, 0): 0.25, (2, 1): 0.5, (3, 0): 0.109375}
+    cv = c[0].tolist()
+
+    def bce(p, y):
+        return -(y * math.log(p) + (1 - y) * math.log(1 - p))
+
+    direct = sum(ws[k] * bce(cv[k[0]][k[1]], ys[k]) for k in ys) / sum(ws.values())
+    assert loss.item() == pytest.approx(direct, rel=1e-6)
+    uniform, _ = decider_loss(c, lab, "uniform")
+    assert uniform.item() == pytest.approx(sum(bce(cv[k[0]][k[1]], ys[k]) for k in ys) / len(ys), rel=1e-6)
+    assert metrics["decisions"].item() == 6
+    assert metrics["continue_label_rate"].item() == pytest.approx(4 / 6)
+    # decisions at τ = 0.5: c ≥ 0.5 ↔ continue. t0: 1,1 ✓✓; t1: 0 ✓; t2: 1 ✓, 0 ✗; t3: 1 ✗
+    assert metrics["decider_accuracy"].item() == pytest.approx(4 / 6)
+    loss.backward()
+    assert c.grad[0, 4].abs().sum() == 0  # undecided position: no gradient
+    assert c.grad[0, 1, 1] == 0 and c.grad[0, 0, 1] == 0  # undecided / zero weight
+    assert c.grad[0, 0, 0] < 0 and c.grad[0, 1, 0] > 0  # pushed toward its label
+
+
+def test_decider_loss_rejects_unknown_weighting():
+    lab = lookahead_labels(HAND_NLL, HAND_MASK)
+    with pytest.raises(ValueError, match="uniform"):
+        decider_loss(torch.rand(1, 5, 2), lab, "squared")
+
+
+def test_next_token_mask_shifts_labels():
+    labels = torch.tensor([[-100, -100, 5, 6, -100]])
+    assert next_token_mask(labels).tolist() == [[False, True, True, False, False]]
+
+
+# ------------------------------------------------------------------------------------------------
+# TaH2 loss on a real forward
+# ------------------------------------------------------------------------------------------------
+def _batch(B=2, T=12, seed=0, prompt=4):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 104, (B, T), generator=g)
+    labels = ids.clone()
+    labels[:, :prompt] = -100
+    return ids, labels
+
+
+def test_tah2_loss_uses_depth_nll_and_signals():
+    torch.manual_seed(0)
+    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=3, method="tah2")).train()
+    ids, labels = _batch()
+    out = model(ids, labels=labels)
+    cfg = LossConfig()
+    aux = model.halting.loss(out, labels, cfg)
+    lab = lookahead_labels(out.depth_nll, next_token_mask(labels), cfg.rho, n_decisions=out.halt_signals.shape[-1])
+    ref, _ = decider_loss(out.halt_signals, lab, "distance")
+    assert torch.allclose(aux.loss, cfg.alpha_d * ref)
+    assert aux.metrics["decisions"].item() == lab.decided.sum().item() > 0
+    # prompt positions (no next-token label) are never supervised
+    assert not lab.decided[:, :3].any()
+
+
+def test_tah2_loss_in_eval_needs_depth_losses():
+    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=2, method="tah2")).eval()
+    ids, labels = _batch()
+    with pytest.raises(ValueError, match="output_depth_losses"):
+        model.halting.loss(model(ids, labels=labels), labels, LossConfig())
+    out = model(ids, labels=labels, output_depth_losses=True)
+    assert torch.isfinite(model.halting.loss(out, labels, LossConfig()).loss)
+
+
+# ------------------------------------------------------------------------------------------------
+# ANIRA: KL to the geometric prior
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("base", [1.0, 2.0, 3.5])
+def test_kl_to_prior_matches_direct_and_decomposition(base):
+    g = torch.Generator().manual_seed(1)
+    D = 5
+    q = torch.softmax(torch.randn(7, D, generator=g, dtype=torch.float64) * 2, -1)
+    q[0] = torch.tensor([1.0, 0, 0, 0, 0], dtype=torch.float64)  # a point mass: 0 log 0 = 0
+    kl = kl_to_prior(q, base)
+    p = [base ** (-d) for d in range(1, D + 1)]
+    Z = sum(p)
+    p = [x / Z for x in p]
+    for i in range(q.shape[0]):
+        qi = q[i].tolist()
+        direct = sum(a * math.log(a / b) for a, b in zip(qi, p) if a > 0)
+        H = -sum(a * math.log(a) for a in qi if a > 0)
+        Ed = sum((d + 1) * a for d, a in enumerate(qi))
+        decomposition = -H + math.log(base) * Ed + math.log(sum(base ** (-d) for d in range(1, D + 1)))
+        assert kl[i].item() == pytest.approx(direct, abs=1e-5)
+        assert kl[i].item() == pytest.approx(decomposition, abs=1e-5)
+    assert log_prior(D, base).exp().sum().item() == pytest.approx(1.0, abs=1e-6)
+    if base == 1.0:  # only the entropy term: KL = log D - H(q)
+        assert kl[0].item() == pytest.approx(math.log(D), abs=1e-6)
+
+
+def test_kl_with_log_q_equals_kl_from_q():
+    logits = torch.randn(3, 4, 6)
+    q = logits.softmax(-1)
+    assert torch.allclose(kl_to_prior(q, 2.0), kl_to_prior(q, 2.0, logits.log_softmax(-1)), atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["anira-e", "anira-o"])
+def test_anira_loss_is_gamma_times_masked_mean_kl(method):
+    torch.manual_seed(0)
+    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(prelude=1, core=4, max_depth=3, method=method)).train()
+    ids, labels = _batch()
+    attn = torch.ones_like(ids)
+    attn[1, -3:] = 0  # padding
+    out = model(ids, attention_mask=attn, labels=labels)
+    cfg = LossConfig(gamma=0.3, prior_base=2.0)
+    aux = model.halting.loss(out, labels, cfg, attention_mask=attn)
+    kl = kl_to_prior(out.depth_probs, 2.0)
+    ref = kl[attn.bool()].mean()  # all non-pad tokens, prompt included
+    assert torch.allclose(aux.loss, 0.3 * ref, atol=1e-6)
+    assert aux.metrics["kl_prior"].item() == pytest.approx(ref.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("method", ["anira-e", "anira-o"])
+def test_straight_through_passes_ce_gradient_to_the_decider(method):
+    torch.manual_seed(0)
+    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(prelude=1, core=4, max_depth=3, method=method)).train()
+    # make the updater non-trivial so that the depths' states differ
+    torch.nn.init.normal_(model.updater.w2.weight, std=0.05)
+    ids, labels = _batch()
+    torch.manual_seed(1)
+    out = model(ids, labels=labels)
+    out.loss.backward()  # CE only: γ = 0
+    grads = [p.grad for p in model.halting.parameters()]
+    assert all(g is not None for g in grads)
+    assert sum(g.abs().sum() for g in grads) > 0
+    # forward value of the straight-through combination = the hard exit state
+    with torch.no_grad():
+        ref = model.eval()(ids, depth=out.depths)
+    assert torch.allclose(out.logits, ref.logits, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# fixed: random depth
+# ------------------------------------------------------------------------------------------------
+def test_poisson_lognormal_depth_mean_and_range():
+    gen = torch.Generator().manual_seed(0)
+    xs = [sample_poisson_lognormal_depth(8.0, 0.5, 1000, gen) for _ in range(3000)]
+    assert sum(xs) / len(xs) == pytest.approx(8.0, rel=0.05)
+    ys = [sample_poisson_lognormal_depth(2.0, 0.5, 3, gen) for _ in range(300)]
+    assert set(ys) <= {1, 2, 3} and len(set(ys)) == 3
+    assert sample_poisson_lognormal_depth(1.0, 0.5, 4, gen) == 1
+    with pytest.raises(ValueError, match="mean"):
+        sample_poisson_lognormal_depth(0.5, 0.5, 4)
+
+
+def test_truncated_backprop_runs_early_iterations_without_autograd():
+    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=3, method="fixed")).train()
+    torch.nn.init.normal_(model.updater.w2.weight, std=0.05)
+    ids, labels = _batch()
+    seen = []
+    hook = model.core_layers[0].register_forward_hook(lambda *a: seen.append(torch.is_grad_enabled()))
+    full = model(ids, labels=labels)
+    assert seen == [True, True, True]
+    seen.clear()
+    trunc = model(ids, labels=labels, backprop_depth=1)
+    assert seen == [False, False, True]
+    seen.clear()
+    forced = model(ids, labels=labels, depth=2, backprop_depth=1)
+    assert seen == [False, True]  # the last k of the iterations actually run
+    hook.remove()
+    assert torch.equal(full.loss, trunc.loss)  # forward unchanged
+    full.loss.backward()
+    g_full = [p.grad.clone() for p in model.core_layers[0].parameters()]
+    model.zero_grad()
+    trunc.loss.backward()
+    g_trunc = [p.grad.clone() for p in model.core_layers[0].parameters()]
+    assert all(g.abs().sum() > 0 for g in g_trunc)
+    assert any(not torch.allclose(a, b) for a, b in zip(g_full, g_trunc))
+    model.zero_grad()
+    same = model(ids, labels=labels, backprop_depth=3)
+    same.loss.backward()
+    assert all(torch.allclose(a, p.grad) for a, p in zip(g_full, model.core_layers[0].parameters()))
+    with pytest.raises(ValueError, match="backprop_depth"):
+        model(ids, backprop_depth=0)
+    del forced
+
+
+# ------------------------------------------------------------------------------------------------
+# Contract over every registered method
+# ------------------------------------------------------------------------------------------------
+def _method_model(name, seed=0):
+    kwargs = dict(prelude=1, core=4) if name.startswith("anira") else {}
+    torch.manual_seed(seed)
+    return retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=3, method=name, **kwargs))
+
+
+def _total_loss(model, ids, labels, cfg):
+    out = model(ids, labels=labels, output_depth_losses=model.halting.needs_depth_losses)
+    aux = model.halting.loss(out, labels, cfg)
+    assert aux is None or isinstance(aux, AuxLoss)
+    return out.loss + (aux.loss if aux is not None else 0.0), out, aux
+
+
+@pytest.mark.parametrize("name", sorted(HALTING_METHODS))
+def test_method_contract(name):
+    cfg = LossConfig()
+    model = _method_model(name).train()
+    ids, labels = _batch(B=4, T=16)
+
+    # loss finite, gradients reach the updater and the decider
+    torch.manual_seed(0)
+    loss, out, aux = _total_loss(model, ids, labels, cfg)
+    assert torch.isfinite(loss)
+    assert out.depths.min() >= 1 and out.depths.max() <= 3
+    if aux is not None:
+        assert torch.isfinite(aux.loss) and all(torch.isfinite(v) for v in aux.metrics.values())
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.updater.parameters())
+    heads = list(model.halting.parameters())
+    if name != "fixed":
+        assert heads and all(p.grad is not None for p in heads)
+        assert sum(p.grad.abs().sum() for p in heads) > 0
+    else:
+        assert heads == []
+
+    # a few optimizer steps on one batch lower the loss
+    model.zero_grad()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(1)
+    first = None
+    for _ in range(12):
+        loss, _, _ = _total_loss(model, ids, labels, cfg)
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        after, _, _ = _total_loss(model, ids, labels, cfg)
+    assert after.item() < 0.8 * first, (first, after.item())
+
+    # eval forward is deterministic
+    with torch.no_grad():
+        a = model(ids, labels=labels)
+        b = model(ids, labels=labels)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.depths, b.depths)
+
+
+def test_loss_config_validation():
+    with pytest.raises(ValueError, match="rho"):
+        LossConfig(rho=0.0)
+    with pytest.raises(ValueError, match="decider_weighting"):
+        LossConfig(decider_weighting="squared")
+    with pytest.raises(ValueError, match="prior_base"):
+        LossConfig(prior_base=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# TaH2 training forward: the fast paths equal the reference computation
+# ------------------------------------------------------------------------------------------------
+def _mixed_depth_tah2(seed=0):
+    """A TaH2 model whose decider stops about half the tokens at depth 1 (and a non-trivial updater)."""
+    torch.manual_seed(seed)
+    model = retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=3, method="tah2")).train()
+    with torch.no_grad():
+        torch.nn.init.normal_(model.updater.w2.weight, std=0.05)
+        fc2 = model.halting.decider.fc2
+        torch.nn.init.normal_(fc2.weight, std=2.0 / fc2.in_features**0.5)
+        fc2.bias.zero_()
+    return model
+
+
+def test_tah2_training_forward_matches_reference_mixture_and_losses():
+    """Loss, gradients and per-depth losses of the training forward (one readout per depth, the
+    lookahead folded into it, shift detached) equal a direct computation from the per-depth logits."""
+    from retrofit.halting.tah2 import mixture_weights
+
+    model = _mixed_depth_tah2()
+    ids, labels = _batch(B=3, T=14)
+    out = model(ids, labels=labels)
+    assert 1 < out.depths.float().mean() < 3  # mixed depths, so lookahead tokens exist
+    out.loss.backward()
+    fast = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    ref = model(ids, labels=labels, output_depth_logits=True)  # the two-readout reference path
+    assert torch.equal(ref.depths, out.depths)
+    torch.testing.assert_close(ref.depth_nll, out.depth_nll, equal_nan=True)
+    z = ref.depth_logits  # [D, B, T, V], NaN beyond each token's lookahead
+    D = z.shape[0]
+    pi = mixture_weights(list(ref.halt_signals.unbind(-1)), ref.depths, D)  # [B, T, D]
+    probs = sum(pi[..., d, None] * torch.nan_to_num(z[d]).softmax(-1) for d in range(D))
+    shift = F.pad(labels[:, 1:], (0, 1), value=-100)
+    m = shift != -100
+    nll = -probs.gather(-1, shift.clamp_min(0)[..., None]).squeeze(-1).log()
+    assert torch.allclose(out.loss, nll[m].mean(), atol=1e-5)
+    nll[m].mean().backward()
+    for n, g in fast.items():
+        torch.testing.assert_close(g, model.get_parameter(n).grad, atol=1e-5, rtol=1e-4, msg=n)
+    # per-depth losses are the cross-entropy of the per-depth logits (the lookahead depth included)
+    for d in range(D):
+        fin = torch.isfinite(out.depth_nll[..., d])
+        ce = F.cross_entropy(torch.nan_to_num(z[d]).flatten(0, 1), shift.flatten(), reduction="none").view_as(shift)
+        assert torch.equal(out.depth_nll[..., d][fin], ce.detach()[fin])

@@ -1,0 +1,397 @@
+"""RetrofitSFTTrainer: the real looped forward, auxiliary losses, metrics, bad data, NaN guard,
+atomic checkpoints and resume (CPU, tiny models, a few steps each)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import TrainerCallback
+
+import retrofit
+from retrofit.checkpointing import (
+    assert_safetensors_only,
+    atomic_dir,
+    commit,
+    is_complete_checkpoint,
+    last_checkpoint,
+    remove_stale_staging,
+    staging_path,
+)
+from retrofit.halting.tah2 import decider_loss, lookahead_labels, next_token_mask
+from retrofit.testing import char_tokenizer, tiny_base
+from retrofit.training import (
+    BadDataError,
+    NonFiniteLossError,
+    RetrofitSFTConfig,
+    RetrofitSFTTrainer,
+    format_sft_dataset,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny models gain nothing from threads, and a busy 2-core machine makes 2 threads thrash
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def rows(n=48):
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)][:n]
+
+
+def make_dataset(n=48, chat=False):
+    ds, _ = format_sft_dataset(datasets.Dataset.from_list(rows(n)), chat=chat)
+    return ds
+
+
+def make_model(method="tah2", max_depth=2, seed=0, **loop):
+    if method.startswith("anira"):
+        loop = {"prelude": 1, "core": 4, **loop}
+    torch.manual_seed(seed)  # the heads' init draws from the global RNG
+    return retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=max_depth, method=method, **loop))
+
+
+def make_args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        activation_checkpointing=False,
+        use_cpu=True,
+        disable_tqdm=True,
+        max_length=32,
+        seed=0,
+        dataloader_num_workers=0,
+        lr_scheduler_type="constant",
+    )
+    base.update(kw)
+    return RetrofitSFTConfig(**base)
+
+
+def make_trainer(tmp_path, method="tah2", train=None, model=None, callbacks=None, eval_dataset=None, **kw):
+    model = model if model is not None else make_model(method)
+    return RetrofitSFTTrainer(
+        model,
+        make_args(tmp_path, **kw),
+        train_dataset=train if train is not None else make_dataset(),
+        eval_dataset=eval_dataset,
+        processing_class=char_tokenizer(),
+        callbacks=callbacks,
+    )
+
+
+def step_losses(trainer):
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+# ------------------------------------------------------------------------------------------------
+# config
+# ------------------------------------------------------------------------------------------------
+def test_config_defaults_and_validation(tmp_path):
+    args = RetrofitSFTConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert args.bf16 is False  # TRL's default (True) is turned off on CPU
+    assert args.ddp_find_unused_parameters is True
+    lc = args.loss_config
+    assert (lc.alpha_d, lc.rho, lc.decider_weighting) == (0.05, 0.99, "distance")
+    assert RetrofitSFTConfig(output_dir=str(tmp_path), use_cpu=True, rho=1.0, decider_weighting="uniform").loss_config.rho == 1.0
+    for bad, match in [
+        (dict(rho=1.5), "rho"),
+        (dict(decider_weighting="squared"), "decider_weighting"),
+        (dict(truncate_backprop=0), "truncate_backprop"),
+        (dict(random_depth_mean=0.5), "random_depth_mean"),
+        (dict(prior_base=-1.0), "prior_base"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            RetrofitSFTConfig(output_dir=str(tmp_path), use_cpu=True, **bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# bad data
+# ------------------------------------------------------------------------------------------------
+def test_format_sft_dataset_reports_and_skips_bad_rows():
+    raw = datasets.Dataset.from_list(
+        [
+            {"prompt": "1+1=", "answer": "2"},
+            {"prompt": "2+2=", "answer": ""},
+            {"prompt": "3+3=", "answer": "   "},
+            {"prompt": None, "answer": "6"},
+            {"prompt": "4+4=", "answer": "8"},
+        ]
+    )
+    ds, report = format_sft_dataset(raw)
+    assert report == {"rows": 5, "kept": 2, "empty_completion": 2, "malformed": 1}
+    assert ds["prompt"] == ["1+1=", "4+4="] and ds["completion"] == ["2", "8"]
+    assert "answer" not in ds.column_names
+    chat, _ = format_sft_dataset(raw, chat=True)
+    assert chat[0]["prompt"] == [{"role": "user", "content": "1+1="}]
+    assert chat[0]["completion"] == [{"role": "assistant", "content": "2"}]
+
+
+def test_format_sft_dataset_errors():
+    with pytest.raises(BadDataError, match=r"lacks column\(s\) \['prompt'\].*completion"):
+        format_sft_dataset(datasets.Dataset.from_list([{"question": "q", "answer": "a"}]))
+    with pytest.raises(BadDataError, match="answer"):
+        format_sft_dataset(datasets.Dataset.from_list([{"prompt": "q", "text": "a"}]))
+    with pytest.raises(BadDataError, match="no usable row"):
+        format_sft_dataset(datasets.Dataset.from_list([{"prompt": "q", "completion": ""}]))
+
+
+def test_trainer_skips_rows_longer_than_max_length(tmp_path):
+    raw = rows(12) + [{"prompt": "9" * 40, "answer": "1"}, {"prompt": "1+2=", "answer": "3" * 50}]
+    ds, _ = format_sft_dataset(datasets.Dataset.from_list(raw))
+    tr = make_trainer(tmp_path, train=ds, max_steps=1)
+    assert tr.data_report["train"] == {"rows": 14, "kept": 12, "too_long": 2, "no_trainable_token": 0}
+    assert max(len(x) for x in tr.train_dataset["input_ids"]) <= 32
+    tr.train()
+    with pytest.raises(BadDataError, match="max_length"):
+        make_trainer(tmp_path, train=ds.select([12, 13]), max_steps=1)
+
+
+def test_trainer_rejects_a_plain_model(tmp_path):
+    with pytest.raises(TypeError, match="looped"):
+        make_trainer(tmp_path, model=tiny_base("llama"))
+    with pytest.raises(TypeError, match="RetrofitSFTConfig"):
+        from trl import SFTConfig
+
+        RetrofitSFTTrainer(make_model(), SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False), train_dataset=make_dataset())
+
+
+# ------------------------------------------------------------------------------------------------
+# the loss is the looped model's
+# ------------------------------------------------------------------------------------------------
+def _one_batch(trainer):
+    batch = next(iter(trainer.get_train_dataloader()))
+    return trainer._prepare_inputs(batch)
+
+
+def test_compute_loss_runs_the_looped_forward_plus_aux(tmp_path):
+    tr = make_trainer(tmp_path, "tah2")
+    model = tr.model.train()
+    # at init (zero updater output) the loop reproduces the base model: make depth 2 differ
+    torch.nn.init.normal_(model.updater.w2.weight, std=0.5)
+    inputs = _one_batch(tr)
+    loss = tr.compute_loss(model, dict(inputs))
+    ref = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"])
+    lab = lookahead_labels(ref.depth_nll, next_token_mask(inputs["labels"]), 0.99, ref.halt_signals.shape[-1])
+    l_d, _ = decider_loss(ref.halt_signals, lab)
+    assert torch.allclose(loss, ref.loss + 0.05 * l_d, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["anira-e", "anira-o", "fixed"])
+def test_compute_loss_other_methods(tmp_path, method):
+    tr = make_trainer(tmp_path, method, gamma=0.5)
+    model = tr.model.eval()  # eval: no sampling, so a second forward reproduces the first
+    inputs = _one_batch(tr)
+    with torch.no_grad():
+        loss = tr.compute_loss(model, dict(inputs))
+        ref = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"])
+    aux = model.halting.loss(ref, inputs["labels"], tr.args.loss_config, inputs["attention_mask"])
+    expected = ref.loss + (aux.loss if aux is not None else 0)
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert (aux is None) == (method == "fixed")
+
+
+# ------------------------------------------------------------------------------------------------
+# metrics
+# ------------------------------------------------------------------------------------------------
+def test_metrics_are_logged_to_tensorboard(tmp_path):
+    tr = make_trainer(tmp_path, "tah2", max_steps=2, report_to="tensorboard", eval_dataset=make_dataset(8), eval_strategy="steps", eval_steps=2)
+    tr.train()
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    for key in ("ntp_loss", "aux_loss", "mean_depth", "mean_depth_answer", "depth_frac_1", "depth_frac_2",
+                "decider_loss", "kappa", "continue_label_rate", "mean_token_accuracy"):
+        assert key in logs[0], key
+    for h in logs:
+        assert h["depth_frac_1"] + h["depth_frac_2"] == pytest.approx(1.0)
+        assert 1.0 <= h["mean_depth"] <= 2.0
+        assert h["mean_depth"] == pytest.approx(h["depth_frac_1"] + 2 * h["depth_frac_2"], abs=1e-5)
+        assert h["loss"] == pytest.approx(h["ntp_loss"] + h["aux_loss"], rel=1e-4)
+    ev = [h for h in tr.state.log_history if "eval_loss" in h][0]
+    assert "eval_mean_depth" in ev and "eval_decider_loss" in ev
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list(Path(tmp_path).rglob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(events[0].parent), size_guidance={"histograms": 0, "scalars": 0})
+    acc.Reload()
+    assert {"train/mean_depth", "train/decider_loss", "train/depth_frac_2"} <= set(acc.Tags()["scalars"])
+    assert "train/depth_histogram" in acc.Tags()["histograms"]
+    h = acc.Histograms("train/depth_histogram")[-1].histogram_value
+    assert sum(h.bucket) == h.num > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# invariants
+# ------------------------------------------------------------------------------------------------
+def test_gradient_accumulation_matches_a_big_batch(tmp_path):
+    """batch 4 × accumulation 1 = batch 1 × accumulation 4 (token-weighted NLL, fixed method)."""
+    params = []
+    for bs, ga in [(4, 1), (1, 4)]:
+        tr = make_trainer(tmp_path / f"{bs}x{ga}", "fixed", max_steps=1, per_device_train_batch_size=bs,
+                          gradient_accumulation_steps=ga, learning_rate=1e-2, optim="sgd", max_grad_norm=0)
+        tr.train()
+        params.append(torch.cat([p.detach().flatten() for p in tr.model.parameters()]))
+    assert torch.allclose(params[0], params[1], atol=1e-6)
+
+
+def test_random_depth_and_truncated_backprop_reach_the_forward(tmp_path):
+    tr = make_trainer(tmp_path, "fixed", max_steps=8, random_depth=True, random_depth_mean=2.0, truncate_backprop=1)
+    calls = []
+    orig = tr.model.forward
+
+    def spy(*a, **kw):
+        calls.append((kw.get("depth"), kw.get("backprop_depth")))
+        return orig(*a, **kw)
+
+    tr.model.forward = spy
+    tr.train()
+    depths = [c[0] for c in calls]
+    assert all(b == 1 for _, b in calls)
+    assert set(depths) <= {1, 2} and len(set(depths)) == 2
+    logged = [h["mean_depth"] for h in tr.state.log_history if "loss" in h]
+    assert logged == [float(d) for d in depths]
+
+
+# ------------------------------------------------------------------------------------------------
+# NaN guard
+# ------------------------------------------------------------------------------------------------
+class _PoisonAt(TrainerCallback):
+    """Sets a weight to NaN right before optimizer step ``step`` runs."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, model=None, **kw):
+        if state.global_step + 1 == self.step:
+            with torch.no_grad():
+                model.updater.w1.weight[0, 0] = float("nan")
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    tr = make_trainer(tmp_path, "tah2", max_steps=5, save_strategy="steps", save_steps=1, callbacks=[_PoisonAt(3)])
+    with pytest.raises(NonFiniteLossError, match=r"step 3\b.*checkpoint-2"):
+        tr.train()
+    assert last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+    assert not (tmp_path / "checkpoint-3").exists()
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "checkpoint-2" / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# atomic checkpoints
+# ------------------------------------------------------------------------------------------------
+def test_commit_and_atomic_dir(tmp_path):
+    final = tmp_path / "final"
+    with atomic_dir(final) as tmp:
+        (tmp / "a.txt").write_text("1")
+        assert not final.exists()
+    assert (final / "a.txt").read_text() == "1"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(final) as tmp:
+            (tmp / "a.txt").write_text("2")
+            raise RuntimeError("disk full")
+    assert (final / "a.txt").read_text() == "1"  # the old version survives a failed save
+    assert not staging_path(final).exists()
+    with atomic_dir(final) as tmp:
+        (tmp / "b.txt").write_text("3")
+    assert sorted(p.name for p in final.iterdir()) == ["b.txt"]  # replaced, not merged
+    assert [p.name for p in tmp_path.iterdir()] == ["final"]
+    with pytest.raises(FileNotFoundError):
+        commit(tmp_path / "nope", final)
+
+
+def test_last_checkpoint_ignores_staging_and_incomplete(tmp_path):
+    for step, complete in [(2, True), (5, False)]:
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        if complete:
+            (d / "trainer_state.json").write_text("{}")
+            (d / "model.safetensors").write_bytes(b"")
+    (tmp_path / ".staging-checkpoint-9" / "checkpoint-9").mkdir(parents=True)
+    assert last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+    assert not is_complete_checkpoint(tmp_path / "checkpoint-5")
+    assert remove_stale_staging(tmp_path) == [str(tmp_path / ".staging-checkpoint-9")]
+    assert last_checkpoint(tmp_path / "missing") is None
+
+
+def test_interrupted_save_leaves_no_valid_checkpoint(tmp_path, monkeypatch):
+    tr = make_trainer(tmp_path, "fixed", max_steps=4, save_strategy="steps", save_steps=2)
+    orig = tr._save_optimizer_and_scheduler
+
+    def crash(output_dir):
+        if tr.state.global_step == 4:
+            raise OSError("simulated crash mid-save")  # model weights are already written
+        return orig(output_dir)
+
+    monkeypatch.setattr(tr, "_save_optimizer_and_scheduler", crash)
+    with pytest.raises(OSError, match="mid-save"):
+        tr.train()
+    assert not (tmp_path / "checkpoint-4").exists()
+    staged = tmp_path / ".staging-checkpoint-4" / "checkpoint-4"
+    assert (staged / "model.safetensors").exists()  # the partial save is only in the staging folder
+    assert last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+    assert is_complete_checkpoint(tmp_path / "checkpoint-2")
+    assert_safetensors_only(tmp_path / "checkpoint-2")
+    # the next trainer in this folder clears the leftovers
+    make_trainer(tmp_path, "fixed", max_steps=1)
+    assert not (tmp_path / ".staging-checkpoint-4").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# resume
+# ------------------------------------------------------------------------------------------------
+class _StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize("method", ["tah2", "anira-o"])
+def test_resume_gives_the_same_loss_trajectory(tmp_path, method):
+    """6 uninterrupted steps = 3 steps, stop, resume from checkpoint-3 in a fresh trainer, 3 more."""
+    kw = dict(max_steps=6, save_strategy="steps", save_steps=3, learning_rate=3e-3, lr_scheduler_type="linear")
+    full = make_trainer(tmp_path / "full", method, **kw)
+    full.train()
+    a = step_losses(full)
+
+    first = make_trainer(tmp_path / "split", method, callbacks=[_StopAt(3)], **kw)
+    first.train()
+    ckpt = last_checkpoint(tmp_path / "split")
+    assert ckpt == str(tmp_path / "split" / "checkpoint-3")
+    second = make_trainer(tmp_path / "split", method, model=make_model(method, seed=1), **kw)  # other init: must load
+    second.train(resume_from_checkpoint=ckpt)
+    b = {**step_losses(first), **step_losses(second)}
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    for s in a:
+        assert b[s] == pytest.approx(a[s], rel=1e-5, abs=1e-6), (s, a, b)
+    state = json.loads((tmp_path / "split" / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+    assert_safetensors_only(tmp_path / "split" / "checkpoint-6")
+    assert math.isfinite(a[6])
+
+
+def test_eval_mode_loss_includes_the_decider_loss(tmp_path):
+    tr = make_trainer(tmp_path, "tah2", max_steps=1)
+    raw = rows(8) + [{"prompt": "7" * 60, "answer": "1"}]
+    ds, _ = format_sft_dataset(datasets.Dataset.from_list(raw))
+    metrics = tr.evaluate(ds)
+    assert tr.data_report["eval"] == {"rows": 9, "kept": 8, "too_long": 1, "no_trainable_token": 0}
+    assert "eval_decider_loss" in metrics and math.isfinite(metrics["eval_loss"])
+    assert metrics["eval_loss"] == pytest.approx(metrics["eval_ntp_loss"] + metrics["eval_aux_loss"], rel=1e-4)
