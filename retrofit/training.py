@@ -106,6 +106,12 @@ class RetrofitSFTConfig(SFTConfig):
     depth_histogram: bool = field(
         default=True, metadata={"help": "Write a TensorBoard histogram of exit depths at every logging step."}
     )
+    heads_lr_scale: float = field(
+        default=1.0,
+        metadata={"help": "Learning rate of the new heads (updater, decider) = learning_rate × this. The heads "
+                  "start from scratch while the backbone is pretrained; on short runs a larger scale (10-30) "
+                  "lets the decider move off its deep initialization."},
+    )
 
     def __post_init__(self):
         if self.bf16 is None and not self.fp16 and (self.use_cpu or not torch.cuda.is_available()):
@@ -326,6 +332,26 @@ class RetrofitSFTTrainer(SFTTrainer):
 
     # -- data --------------------------------------------------------------------------------------
     @contextlib.contextmanager
+    def create_optimizer(self, model=None):
+        """The standard optimizer, with the heads (``updater.*``, ``halting.*``) in their own
+        parameter groups at ``learning_rate × heads_lr_scale``."""
+        opt = super().create_optimizer(model)
+        scale = getattr(self.args, "heads_lr_scale", 1.0)
+        if scale == 1.0 or getattr(self, "_heads_groups_split", False):
+            return opt
+        named = (model if model is not None else self.model).named_parameters()
+        head_ids = {id(p) for n, p in named if ".updater." in f".{n}" or ".halting." in f".{n}"}
+        extra = []
+        for g in opt.param_groups:
+            heads = [p for p in g["params"] if id(p) in head_ids]
+            if heads:
+                g["params"] = [p for p in g["params"] if id(p) not in head_ids]
+                extra.append({**{k: v for k, v in g.items() if k != "params"}, "params": heads, "lr": g["lr"] * scale})
+        for g in extra:
+            opt.add_param_group(g)
+        self._heads_groups_split = True
+        return opt
+
     def _untruncated(self, args):
         """TRL's dataset preparation without its truncation (we drop and count long rows instead)."""
         if self._max_length is None:
