@@ -331,7 +331,6 @@ class RetrofitSFTTrainer(SFTTrainer):
             remove_stale_staging(self.args.output_dir)
 
     # -- data --------------------------------------------------------------------------------------
-    @contextlib.contextmanager
     def create_optimizer(self, model=None):
         """The standard optimizer, with the heads (``updater.*``, ``halting.*``) in their own
         parameter groups at ``learning_rate × heads_lr_scale``."""
@@ -352,6 +351,7 @@ class RetrofitSFTTrainer(SFTTrainer):
         self._heads_groups_split = True
         return opt
 
+    @contextlib.contextmanager
     def _untruncated(self, args):
         """TRL's dataset preparation without its truncation (we drop and count long rows instead)."""
         if self._max_length is None:

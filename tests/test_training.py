@@ -395,3 +395,18 @@ def test_eval_mode_loss_includes_the_decider_loss(tmp_path):
     assert tr.data_report["eval"] == {"rows": 9, "kept": 8, "too_long": 1, "no_trainable_token": 0}
     assert "eval_decider_loss" in metrics and math.isfinite(metrics["eval_loss"])
     assert metrics["eval_loss"] == pytest.approx(metrics["eval_ntp_loss"] + metrics["eval_aux_loss"], rel=1e-4)
+
+
+def test_heads_get_their_own_learning_rate(tmp_path):
+    trainer = make_trainer(tmp_path, heads_lr_scale=10.0)
+    opt = trainer.create_optimizer()
+    model = trainer.model
+    head_ids = {id(p) for n, p in model.named_parameters() if n.startswith(("updater.", "halting."))}
+    lrs = {}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            lrs[id(p)] = g["lr"]
+    assert head_ids and all(lrs[i] == trainer.args.learning_rate * 10.0 for i in head_ids)
+    others = [lrs[id(p)] for n, p in model.named_parameters() if p.requires_grad and id(p) not in head_ids]
+    assert others and all(lr == trainer.args.learning_rate for lr in others)
+    assert sum(len(g["params"]) for g in opt.param_groups) == sum(1 for p in model.parameters() if p.requires_grad)
