@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
+import os
+import inspect
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -33,13 +37,25 @@ from .attention import base_visibility, depth_key_visibility, to_additive_mask
 from .config import LoopConfig, LoopConfigError
 from .families import FAMILIES, Family, family_for
 from .halting import build_halting
+from .halting.training_free import resolve_exit_policy
 from .heads import Updater, init_tagged
+from .schedulers import UnitStep, build_step_schedule
 
 
 # ------------------------------------------------------------------------------------------------
 # Configs: flat subclasses of the base configs, plus the loop spec as one dict field.
 # ------------------------------------------------------------------------------------------------
 class _LoopedConfigMixin:
+    # TRL's create_model_from_path reads `config.auto_map` for architectures outside transformers
+    # and transformers tests `name in config.auto_map`: {} until a config.json sets one (exports do).
+    @property
+    def auto_map(self) -> dict:
+        return self.__dict__.get("auto_map", {})
+
+    @auto_map.setter
+    def auto_map(self, value):
+        self.__dict__["auto_map"] = value
+
     @property
     def loop_config(self) -> LoopConfig:
         """The ``LoopConfig`` stored in ``self.loop`` (validated on every read)."""
@@ -127,6 +143,81 @@ class DepthKVStore:
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
 
+
+# ------------------------------------------------------------------------------------------------
+# TRL's fused LM head
+# ------------------------------------------------------------------------------------------------
+# TRL 1.x trainers (SFT, DPO, GRPO, RLOO, KTO) call `add_fused_lm_head(model)`, which assigns
+# `model.forward = _fused_forward`: `model(..., labels=, fused_lm_head=True)` then runs only
+# `model.base_model` (the base backbone, once, all layers) and applies `lm_head` itself. For a looped
+# model that trains the plain base and never the heads. `LoopedForCausalLM.__setattr__` installs
+# `_looped_fused_forward` instead: the same contract, computed from the real looped logits.
+def _is_trl_fused_forward(value) -> bool:
+    # functools.wraps copies the model's forward's name and module onto TRL's function: look at its code
+    code = getattr(getattr(value, "__func__", None), "__code__", None)
+    return code is not None and code.co_name == "_fused_forward" and f"{os.sep}trl{os.sep}" in code.co_filename
+
+
+@dataclass
+class LoopedFusedLMOutput(ModelOutput):
+    """The fields of TRL's ``FusedCausalLMOutput`` (defined here: exported remote code must not need TRL)."""
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+def fused_outputs_from_logits(logits, labels, shift_labels=None, temperature=1.0, num_items_in_batch=None,
+                              outputs=("log_probs",)):
+    """TRL's ``FusedCausalLMOutput`` from full logits ``[B, T, V]`` (TaH2: the mixture logits).
+
+    ``labels`` ``[B, T]`` are unshifted (position t is scored on label t+1; -100 ignored), or
+    ``shift_labels`` ``[B, T]`` already shifted. Per-token fields are ``[B, T-1]`` (``[B, T]`` with
+    ``shift_labels``), zero where ignored; the logits are divided by ``temperature``.
+    """
+    if shift_labels is None:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    else:
+        labels = shift_labels
+    mask = labels != -100
+    z = logits.float() / temperature
+    logp = z.log_softmax(-1)
+    tgt = labels.clamp(min=0)
+    log_probs = logp.gather(-1, tgt[..., None]).squeeze(-1).masked_fill(~mask, 0.0)
+    entropy = log_sum_sq = mean_logits = is_top1 = None
+    if "entropy" in outputs:
+        entropy = -(logp.exp() * logp).sum(-1).masked_fill(~mask, 0.0)
+    if "log_sum_sq_probs" in outputs:
+        log_sum_sq = torch.logsumexp(2 * logp.detach(), -1).masked_fill(~mask, 0.0)
+    if "mean_logits" in outputs:
+        mean_logits = z.detach().mean(-1).masked_fill(~mask, 0.0)
+    if "is_top1" in outputs:
+        is_top1 = (z.detach().argmax(-1) == tgt) & mask
+    n = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return LoopedFusedLMOutput(loss=-log_probs.sum() / n, log_probs=log_probs, entropy=entropy,
+                               log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits, is_top1=is_top1,
+                               label_mask=mask)
+
+
+def _looped_fused_forward(original, temperature: float = 1.0, outputs=("log_probs",)):
+    @functools.wraps(original)  # generate() validates its kwargs against the signature
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            for k, v in (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch)):
+                if v is not None:
+                    kwargs[k] = v
+            return original(self, *args, **kwargs)
+        kwargs["use_cache"] = False
+        out = original(self, *args, **kwargs)  # the full looped forward; no labels, so no loss here
+        return fused_outputs_from_logits(out.logits, labels, shift_labels, temperature, num_items_in_batch, outputs)
+
+    return forward
+
 # ------------------------------------------------------------------------------------------------
 class LoopedForCausalLM(PreTrainedModel):
     """A pretrained causal LM with a looped core and per-token adaptive depth.
@@ -163,6 +254,17 @@ class LoopedForCausalLM(PreTrainedModel):
             for m in [*self.model.modules(), *self.lm_head.modules()]:
                 m._is_hf_initialized = True
         self.post_init()
+
+    # -- TRL ---------------------------------------------------------------------------------------
+    _serves_trl_fused_head = True
+
+    def __setattr__(self, name, value):
+        if name == "forward" and _is_trl_fused_forward(value):
+            nonlocals = inspect.getclosurevars(value.__func__).nonlocals
+            fwd = _looped_fused_forward(type(self).forward, nonlocals.get("temperature", 1.0),
+                                        tuple(nonlocals.get("outputs", ("log_probs",))))
+            value = types.MethodType(fwd, self)
+        super().__setattr__(name, value)
 
     # -- structure ---------------------------------------------------------------------------
     @staticmethod
@@ -268,9 +370,17 @@ class LoopedForCausalLM(PreTrainedModel):
         output_depth_losses: bool = False,
         output_depth_logits: bool = False,
         backprop_depth: int | None = None,
+        exit_policy=None,
+        exit_threshold: float | None = None,
+        step_schedule=None,
         **kwargs,
     ) -> LoopedCausalLMOutput:
-        """Run the looped model on a full sequence.
+        """Run the looped model on a full sequence, or decode incrementally with a cache.
+
+        With ``cache=`` (a ``retrofit.cache.DepthKVCache``) or ``use_cache=True`` in eval mode, the
+        call is one step of incremental decoding (``retrofit.generation.cached_forward``): only the
+        new tokens run, exited tokens are not computed at deeper depths, and the cache is returned
+        in ``cache``.
 
         Args:
             input_ids: ``[B, T]``.
@@ -285,15 +395,25 @@ class LoopedForCausalLM(PreTrainedModel):
                 iterations only; iterations ``d ≤ n - k`` (``n`` = the largest forced depth, else
                 ``max_depth``) run without autograd, so their activations are not stored. ``None``
                 = full backprop. Readouts and deciders keep their gradients.
+            exit_policy: who decides the exit depth: None/``"decider"`` (the halting method),
+                ``"fixed"`` (with ``depth``), ``"kl"`` or ``"state"`` (training-free, with
+                ``exit_threshold``; ``retrofit.halting.training_free``) or an ``ExitPolicy``.
+            exit_threshold: the training-free exit's threshold.
+            step_schedule: ``"unit"`` (default), ``"taps"`` or a ``StepSchedule``
+                (``retrofit.schedulers.taps``).
 
         Returns:
             ``LoopedCausalLMOutput``.
         """
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
-        if cache is not None:
-            raise NotImplementedError(
-                "this forward runs full sequences; incremental decoding with a depth-aware cache "
-                "is handled by retrofit's generation path"
+        if cache is not None or (use_cache and not self.training and labels is None):
+            from .generation import cached_forward
+
+            return cached_forward(
+                self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                inputs_embeds=inputs_embeds, labels=labels, depth=depth, logits_to_keep=logits_to_keep,
+                output_depth_logits=output_depth_logits, exit_policy=exit_policy, exit_threshold=exit_threshold,
+                step_schedule=step_schedule,
             )
         loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "shift_labels", "ignore_index")}
         if (input_ids is None) == (inputs_embeds is None):
@@ -312,9 +432,12 @@ class LoopedForCausalLM(PreTrainedModel):
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError(f"attention_mask must be a [B, T] padding mask, got shape {tuple(attention_mask.shape)}")
 
+        depth, policy = resolve_exit_policy(exit_policy, exit_threshold, depth)
+        sched = build_step_schedule(step_schedule)
         forced = self._forced_depths(depth, B, T, dev)
         need_depth_losses = labels is not None and (output_depth_losses or (self.halting.needs_depth_readout and self.training))
         need_readout = self.halting.needs_depth_readout or need_depth_losses or output_depth_logits
+        need_readout = need_readout or (policy is not None and policy.needs_logits)
         lookahead = need_depth_losses  # one gradient-free iteration past each exit (TaH2 §3)
         mixture = self.halting.mixture_output
 
@@ -331,7 +454,11 @@ class LoopedForCausalLM(PreTrainedModel):
 
         ctx = self.halting.new_context(self.training)
         planned = self.halting.plan(e, ctx)
-        exit_at = forced if forced is not None else planned  # [B, T] or None (online)
+        # [B, T] or None (online); a training-free policy overrides the method's plan
+        exit_at = forced if forced is not None else (planned if policy is None else None)
+        sstate = sched.init(B * T)
+        pstate = policy.init(B * T) if policy is not None else None
+        all_idx = torch.arange(B * T, device=dev) if policy is not None else None
 
         # active[j]: token executed depth j + 1; a list, since tensors saved for backward must not be
         # modified in place
@@ -362,31 +489,55 @@ class LoopedForCausalLM(PreTrainedModel):
                 raw = x_in
                 for layer in self.core_layers:
                     raw = self._run_layer(layer, raw, mask, pe, position_ids, store, d)
-            h = raw if d == 1 else torch.where(act[..., None], raw, h)
+            if d == 1 or isinstance(sched, UnitStep):
+                new = raw
+            else:  # relaxed step h + η (F(h) - h) (METHODS.md §5)
+                new = sched.step(d, h.reshape(B * T, H), raw.reshape(B * T, H), sstate, None).view(B, T, H)
+            h = new if d == 1 else torch.where(act[..., None], new, h)
             states.append(h)
 
             la = (~act) & active[d - 2] if (lookahead and d >= 2) else None
             z = None
             if need_readout:
-                z = self._readout(h, plain_mask, pe, position_ids, store)
-                if la is not None and bool(la.any()):
-                    with torch.no_grad():
-                        z_la = self._readout(torch.where(la[..., None], raw, h), plain_mask, pe, position_ids, store)
-                    z = torch.where(la[..., None], z_la, z)
+                has_la = la is not None and bool(la.any())
+                if has_la and not self.coda_layers and depth_logits is None:
+                    # without a coda the readout is per token: one pass serves the executed tokens and
+                    # the lookahead ones (their input detached, and their logits only feed depth_nll,
+                    # so the lookahead stays gradient-free) instead of a second vocabulary-wide readout
+                    z = self._readout(torch.where(la[..., None], raw.detach(), h), plain_mask, pe, position_ids, store)
+                else:
+                    z = self._readout(h, plain_mask, pe, position_ids, store)
+                    if has_la:
+                        with torch.no_grad():
+                            z_la = self._readout(torch.where(la[..., None], raw, h), plain_mask, pe, position_ids, store)
+                        z = torch.where(la[..., None], z_la, z)
                 if depth_logits is not None:
                     keep = act if la is None else (act | la)
                     depth_logits.append(z.masked_fill(~keep[..., None], float("nan")))
+                # the mixture's log-softmax doubles as the source of the per-depth losses
+                logp = z.float().log_softmax(-1) if (mixture and self.halting.needs_depth_readout) else None
                 if need_depth_losses:
-                    nll = F.cross_entropy(z.float().flatten(0, 1), shift_labels.flatten(), reduction="none").view(B, T)
+                    # = F.cross_entropy(z, shift_labels, reduction="none"), bitwise, without autograd
+                    with torch.no_grad():
+                        src = logp if logp is not None else z.float().log_softmax(-1)
+                        ignore = shift_labels == -100
+                        nll = -src.gather(-1, shift_labels.clamp_min(0)[..., None]).squeeze(-1)
+                        nll = nll.masked_fill(ignore, 0.0)
                     keep = act if la is None else (act | la)
-                    depth_nll[..., d - 1] = torch.where(keep, nll.detach(), torch.full_like(nll, float("nan")))
+                    depth_nll[..., d - 1] = torch.where(keep, nll, torch.full_like(nll, float("nan")))
 
             # decide who continues to depth d + 1
             if d < D:
-                probs = z.float().softmax(-1) if (z is not None and self.halting.needs_depth_readout) else None
+                probs = None
+                if z is not None and self.halting.needs_depth_readout:
+                    with torch.no_grad():  # decider features: no gradient into the LM through them
+                        probs = z.float().softmax(-1)
                 cont = self.halting.step(d, e, h, probs, ctx)
                 if exit_at is not None:
                     cont = exit_at > d
+                elif policy is not None:
+                    lp = z.float().log_softmax(-1).reshape(B * T, -1) if policy.needs_logits else None
+                    cont = ~policy.check(d, h.reshape(B * T, H), lp, pstate, all_idx).view(B, T)
                 elif cont is None:
                     cont = torch.ones_like(act)
                 active.append(act & cont)
@@ -398,13 +549,17 @@ class LoopedForCausalLM(PreTrainedModel):
                     pi = survive if c is None else torch.where(stop_here, survive, survive * (1 - c))
                     # clamp: a saturated c (= 1.0 in fp32) must not give log(0), whose backward is NaN
                     log_pi = torch.where(act, pi.clamp_min(1e-30).log(), torch.full_like(pi, float("-inf")))
-                    term = log_pi[..., None] + z.float().log_softmax(-1)
+                    term = log_pi[..., None] + logp
                     log_mix = term if log_mix is None else torch.logaddexp(log_mix, term)
-                    lse = z.float().logsumexp(-1)
+                    with torch.no_grad():  # only a per-token shift of the output (see below)
+                        lse = z.float().logsumexp(-1)
                     lse_exit = lse if lse_exit is None else torch.where(stop_here, lse, lse_exit)
                     if c is not None:
                         survive = survive * c
-                z_exit = z if z_exit is None else torch.where(stop_here[..., None], z, z_exit)
+                # a mixture reads z_exit only for tokens that exit at depth 1: keep the depth-1
+                # logits instead of a vocabulary-wide select per depth
+                if z_exit is None or not mixture:
+                    z_exit = z if z_exit is None else torch.where(stop_here[..., None], z, z_exit)
 
             more = d < D and (bool(active[d].any()) or (lookahead and bool(stop_here.any())) or loop.fixed_graph)
             if not more:
@@ -419,8 +574,13 @@ class LoopedForCausalLM(PreTrainedModel):
             if mixture:
                 # a token that exits at depth 1 has a one-term mixture: return its raw logits exactly
                 # (the shifted log-mixture equals them only up to float rounding)
-                mixed = (log_mix + lse_exit[..., None]).to(z_exit.dtype)
-                logits = torch.where((depths == 1)[..., None], z_exit, mixed)
+                # lse_exit carries no gradient: a per-token shift of the logits leaves every softmax
+                # and NLL unchanged, so its gradient is 0 in exact arithmetic; skipping it saves
+                # vocabulary-wide backward passes
+                first = depths == 1
+                if not bool(first.all()):  # (skip vocabulary-wide work that selects nothing)
+                    mixed = (log_mix + lse_exit[..., None]).to(z_exit.dtype)
+                    logits = torch.where(first[..., None], z_exit, mixed) if bool(first.any()) else mixed
         else:
             if st is not None:
                 while len(states) < D:
@@ -451,6 +611,26 @@ class LoopedForCausalLM(PreTrainedModel):
             depth_logits=torch.stack(depth_logits) if depth_logits else None,
             active=active_t,
         )
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate`` with per-token adaptive depth and a depth-aware KV cache.
+
+        Extra keyword arguments: ``exit_policy``, ``exit_threshold``, ``depth``, ``step_schedule``;
+        with ``return_dict_in_generate=True`` the output also has ``depths`` ``[B, new_tokens]``.
+        See ``retrofit.generation``.
+        """
+        from .generation import looped_generate
+
+        return looped_generate(self, super().generate, *args, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        # a DynamicCache cannot hold per-depth K/V: default to the depth-aware cache
+        if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+            from .cache import DepthKVCache
+
+            model_kwargs["cache"] = DepthKVCache(self.config)
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def _forced_depths(self, depth, B, T, dev):
         if depth is None:
