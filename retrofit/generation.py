@@ -149,7 +149,6 @@ def cached_forward(
     depths = torch.zeros(B, Tn, dtype=torch.long, device=dev)
     h = e.clone()  # passthrough state [B, Tn, H]
     h_flat = h.view(B * Tn, H)
-    e_flat = e.reshape(B * Tn, H)
     cos, sin = pe
     z_full = None  # [B, Tn, V] latest readout per token
     depth_logits = [] if output_depth_logits else None
@@ -310,7 +309,12 @@ def looped_generate(model, parent_generate, inputs=None, generation_config=None,
         raise TypeError(f"generate(depth=...) takes an int in 1..{model.loop.max_depth}, got {type(depth).__name__}")
     resolve_exit_policy(kwargs.get("exit_policy"), kwargs.get("exit_threshold"), depth)  # fail before prefill
     build_step_schedule(kwargs.get("step_schedule"))
-    if kwargs.get("use_cache") is False:
+    gc = generation_config if generation_config is not None else model.generation_config
+    if kwargs.get("use_cache", getattr(gc, "use_cache", True)) is False or model.training:
+        # the cached path is inference-only; TRL's GRPO generates in train mode and may switch the
+        # cache off inside generation_config: decode with full-sequence forwards instead (the same
+        # tokens for deterministic depth rules: TaH2's threshold, fixed, forced depths)
+        kwargs["use_cache"] = False
         return parent_generate(inputs, generation_config=generation_config, **kwargs)
     cache = kwargs.pop("cache", None)
     if cache is None:
@@ -320,7 +324,6 @@ def looped_generate(model, parent_generate, inputs=None, generation_config=None,
     kwargs["cache"] = cache
     prompt = inputs if inputs is not None else kwargs.get("input_ids")
     out = parent_generate(inputs, generation_config=generation_config, **kwargs)
-    gc = generation_config if generation_config is not None else model.generation_config
     want_dict = kwargs.get("return_dict_in_generate", getattr(gc, "return_dict_in_generate", False))
     if not want_dict or not isinstance(out, GenerateDecoderOnlyOutput) or prompt is None:
         return out
