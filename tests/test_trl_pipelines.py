@@ -1,23 +1,12 @@
 """Looped models in TRL's trainers (GRPO, DPO, SFT) and in ``transformers.pipeline``.
 
-What TRL 1.16 does to a model (read from its source, confirmed by ``test_plain_trl_bypasses_the_loop``):
-``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer`` all call ``trl.trainer.utils.add_fused_lm_head(model)``,
-which *replaces* ``model.forward``: ``model(..., labels=, fused_lm_head=True)`` then runs only
-``model.base_model`` — for a looped model that is the base ``LlamaModel`` / ``Qwen3Model``, run once
-over all layers — and applies ``lm_head`` itself. The loop, the updater and the decider are skipped:
-the trainer silently trains the plain base model and the heads never receive a gradient. (The
-mixture logits never enter TRL's loss, so even plain ``SFTTrainer`` is *not* sane for a looped
-model; ``retrofit.training.RetrofitSFTTrainer`` avoids it by calling the model without
-``fused_lm_head``.)
-
-The fix belongs in ``LoopedForCausalLM`` (``retrofit/modeling.py``): when TRL assigns its fused
-forward, install one that serves ``fused_lm_head=True`` from the real looped logits instead, with the
-temperature and outputs TRL asked for (``serve_trl_fused_setattr`` -> ``looped_fused_forward`` ->
-``fused_outputs_from_logits`` below, written to be moved there, plus an ``auto_map`` attribute on the
-configs, see ``looped_trl``). Until the library has them, the ``looped_trl`` fixture installs them on
-the classes for the duration of a test, and does nothing once the library marks the fix with
-``LoopedForCausalLM._serves_trl_fused_head = True``. ``fused_outputs_from_logits`` is checked
-against TRL's own fused kernel on a plain model.
+What TRL 1.16 does to a model: ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer`` all call
+``trl.trainer.utils.add_fused_lm_head(model)``, which *replaces* ``model.forward`` with one that runs
+only ``model.base_model`` and applies ``lm_head`` itself: for a looped model that would silently
+train the plain base. ``LoopedForCausalLM`` intercepts the assignment and serves
+``fused_lm_head=True`` from the real looped logits (``retrofit.modeling.fused_outputs_from_logits``),
+and its configs expose ``auto_map`` (TRL reads it for a model given as a path). These tests check
+that the heads get gradients in every trainer and that the fused outputs match TRL's own kernel.
 
 GRPO samples completions and then scores their log-probs in train mode; TRL 1.16's regular
 (non-vLLM) path even calls ``generate()`` with the model still in train mode, while evaluation and
@@ -26,8 +15,8 @@ the same function: TaH2 (threshold decisions in both modes) and fixed are
 (``test_train_and_eval_forwards_agree``); ANIRA-E/O *sample* depths in train mode, so their scored
 depths are a fresh sample, not the ones generation used — GRPO runs but is slightly off-policy;
 prefer TaH2 or fixed for RL, or train ANIRA's decider with SFT first. Because retrofit's cached
-decoding (``retrofit.generation``) is inference-only and GRPO generates in train mode, GRPO needs
-``generation_kwargs={"use_cache": False}`` (full forward per new token).
+decoding (``retrofit.generation``) is inference-only, ``generate()`` in train mode decodes with a
+full forward per new token.
 
 ``pipeline`` generation runs with ``use_cache=False`` as well unless ``retrofit.generation`` (the
 depth-aware cache) exists; then the cached and uncached outputs must agree.
@@ -35,18 +24,14 @@ depth-aware cache) exists; then the cached and uncached outputs must agree.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import inspect
-import os
-import types
 
 import pytest
 import torch
 
 import retrofit
 from retrofit import LoopConfig, convert
-from retrofit.modeling import LOOPED_CLASSES, LoopedForCausalLM
+from retrofit.modeling import LOOPED_CLASSES, LoopedForCausalLM, fused_outputs_from_logits
 from retrofit.testing import char_tokenizer, tiny_base
 
 HAS_CACHE_GENERATION = importlib.util.find_spec("retrofit.generation") is not None
@@ -64,117 +49,11 @@ TRAIN_KW = {
 }
 
 
-# ------------------------------------------------------------------------------------------------
-# The fix for TRL's fused LM head (to be moved into LoopedForCausalLM)
-# ------------------------------------------------------------------------------------------------
-def fused_outputs_from_logits(logits, labels, shift_labels=None, temperature=1.0, num_items_in_batch=None,
-                              outputs=("log_probs",)):
-    """TRL's ``FusedCausalLMOutput`` contract, computed from full logits.
-
-    Args:
-        logits: ``[B, T, V]`` (for TaH2 the mixture logits: ``softmax(logits) = p_mix``).
-        labels: ``[B, T]`` unshifted (position t is scored on label t+1), -100 ignored; or None
-            with ``shift_labels`` ``[B, T]`` already shifted.
-        temperature: the logits are divided by it (GRPO's sampling temperature).
-        outputs: which optional per-token fields to compute (as TRL's ``add_fused_lm_head``).
-
-    Returns:
-        ``FusedCausalLMOutput`` with per-token fields ``[B, T-1]`` (``[B, T]`` with ``shift_labels``),
-        zero where the label is ignored.
-    """
-    from trl.trainer.utils import FusedCausalLMOutput
-
-    if shift_labels is None:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    else:
-        labels = shift_labels
-    mask = labels != -100
-    z = logits.float() / temperature
-    logp = z.log_softmax(-1)
-    tgt = labels.clamp(min=0)
-    log_probs = logp.gather(-1, tgt[..., None]).squeeze(-1).masked_fill(~mask, 0.0)
-    entropy = log_sum_sq = mean_logits = is_top1 = None
-    if "entropy" in outputs:
-        entropy = -(logp.exp() * logp).sum(-1).masked_fill(~mask, 0.0)
-    if "log_sum_sq_probs" in outputs:
-        log_sum_sq = torch.logsumexp(2 * logp.detach(), -1).masked_fill(~mask, 0.0)
-    if "mean_logits" in outputs:
-        mean_logits = z.detach().mean(-1).masked_fill(~mask, 0.0)
-    if "is_top1" in outputs:
-        is_top1 = (z.detach().argmax(-1) == tgt) & mask
-    n = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    return FusedCausalLMOutput(loss=-log_probs.sum() / n, log_probs=log_probs, entropy=entropy,
-                               log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits, is_top1=is_top1,
-                               label_mask=mask)
-
-
-def _is_trl_fused_forward(value) -> bool:
-    # functools.wraps copies the model's forward's name and module onto TRL's function: look at its code
-    code = getattr(getattr(value, "__func__", None), "__code__", None)
-    return code is not None and code.co_name == "_fused_forward" and f"{os.sep}trl{os.sep}" in code.co_filename
-
-
-def looped_fused_forward(original, temperature: float = 1.0, outputs=("log_probs",)):
-    """A ``forward`` that serves TRL's ``fused_lm_head=True`` calls from the real looped logits."""
-
-    @functools.wraps(original)  # generate() validates its kwargs against the signature
-    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
-        if not fused_lm_head:
-            for k, v in (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch)):
-                if v is not None:
-                    kwargs[k] = v
-            return original(self, *args, **kwargs)
-        kwargs["use_cache"] = False
-        out = original(self, *args, **kwargs)  # the full looped forward; no labels, so no loss here
-        return fused_outputs_from_logits(out.logits, labels, shift_labels, temperature, num_items_in_batch, outputs)
-
-    return forward
-
-
-def serve_trl_fused_setattr(self, name, value):
-    """``LoopedForCausalLM.__setattr__``: TRL's ``model.forward = _fused_forward`` installs
-    ``looped_fused_forward`` instead, with TRL's temperature and requested outputs."""
-    if name == "forward" and _is_trl_fused_forward(value):
-        nonlocals = inspect.getclosurevars(value.__func__).nonlocals
-        fwd = looped_fused_forward(type(self).forward, nonlocals.get("temperature", 1.0),
-                                   tuple(nonlocals.get("outputs", ("log_probs",))))
-        value = types.MethodType(fwd, self)
-    torch.nn.Module.__setattr__(self, name, value)
-
-
-def library_has_fused_head() -> bool:
-    return bool(getattr(LoopedForCausalLM, "_serves_trl_fused_head", False)) or (
-        "fused_lm_head" in inspect.signature(LoopedForCausalLM.forward).parameters
-    )
-
-
-AUTO_MAP_PROPERTY = property(
-    lambda self: self.__dict__.get("auto_map", {}),
-    lambda self, value: self.__dict__.__setitem__("auto_map", value),
-    doc="Auto-class map (remote code); {} when the config has none. TRL reads it for non-transformers architectures.",
-)
-
-
-def library_configs_have_auto_map() -> bool:
-    return all(hasattr(cfg_cls, "auto_map") for cfg_cls, _ in LOOPED_CLASSES.values())
-
-
 @pytest.fixture
-def looped_trl(monkeypatch):
-    """Install the two fixes TRL needs on the looped classes, unless the library already has them:
-
-    1. the fused-head fix above;
-    2. an ``auto_map`` attribute on the looped configs: TRL's ``create_model_from_path`` (a model
-       or reference model given as a path) reads ``config.auto_map`` for any architecture outside
-       transformers, and a config without one raises ``AttributeError`` (None would break
-       transformers' ``cls.__name__ in config.auto_map``). ``AUTO_MAP_PROPERTY`` reads ``{}`` until
-       one is set (as loading an exported ``config.json`` does) and is not serialized when unset.
-    """
-    if not library_has_fused_head():
-        monkeypatch.setattr(LoopedForCausalLM, "__setattr__", serve_trl_fused_setattr)
-    if not library_configs_have_auto_map():
-        for cfg_cls, _ in LOOPED_CLASSES.values():
-            monkeypatch.setattr(cfg_cls, "auto_map", AUTO_MAP_PROPERTY, raising=False)
+def looped_trl():
+    """The library serves TRL's fused LM head and ``config.auto_map`` itself (``retrofit.modeling``)."""
+    assert LoopedForCausalLM._serves_trl_fused_head
+    assert all(hasattr(cfg_cls, "auto_map") for cfg_cls, _ in LOOPED_CLASSES.values())
     yield
 
 
@@ -255,25 +134,6 @@ def test_fused_outputs_match_trl_kernel_on_a_plain_model():
         torch.testing.assert_close(getattr(ours, k), getattr(ref, k).float(), rtol=1e-4, atol=1e-4, msg=k)
     assert torch.equal(ours.is_top1.bool(), ref.is_top1.bool()) and torch.equal(ours.label_mask, ref.label_mask)
 
-
-def test_plain_trl_bypasses_the_loop():
-    """Documents the trap: TRL's fused head scores the plain base model, not the looped one."""
-    from trl.trainer.utils import add_fused_lm_head
-
-    m = tiny_looped().eval()
-    with torch.no_grad():
-        for p in m.updater.parameters():
-            p.add_(0.3 * torch.randn_like(p))  # depth 2 now differs from depth 1
-    ids = torch.randint(4, 104, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        looped_lp = fused_outputs_from_logits(m(ids, depth=2).logits, ids).log_probs
-        base_lp = fused_outputs_from_logits(m.lm_head(m.model(ids).last_hidden_state), ids).log_probs
-        add_fused_lm_head(m)
-        if library_has_fused_head():
-            pytest.skip("the library serves fused_lm_head itself")
-        trl_lp = m(ids, labels=ids, fused_lm_head=True).log_probs
-    torch.testing.assert_close(trl_lp, base_lp, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(trl_lp, looped_lp, atol=1e-3)
 
 
 def test_fix_scores_the_looped_model(looped_trl):
