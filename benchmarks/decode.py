@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
     ids = torch.randint(10, args.vocab, (args.batch, args.prompt), generator=g)
     ids1 = ids[:1]
     N = args.new_tokens
-    gen_kw = dict(max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
+    gen_kw = {"max_new_tokens": N, "min_new_tokens": N, "do_sample": False, "pad_token_id": 0}
 
     caches = {}
     cpu = args.clock == "cpu"

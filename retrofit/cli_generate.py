@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         enc = tok(args.prompt, return_tensors="pt")
     enc = {k: v.to(model.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
-    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.sample else dict(do_sample=False)
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.sample else {"do_sample": False}
     if args.sample:
         torch.manual_seed(args.seed)
 

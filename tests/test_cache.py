@@ -14,7 +14,7 @@ DEPTHS = torch.randint(1, 4, (3, 9), generator=torch.Generator().manual_seed(1))
 
 
 def model_for(split="middle", attention="duo-causal", method="fixed", family="llama"):
-    kw = dict(prelude=1, core=3) if split == "middle" else {}
+    kw = {"prelude": 1, "core": 3} if split == "middle" else {}
     return convert(tiny_base(family), LoopConfig(max_depth=3, method=method, attention=attention, **kw)).eval()
 
 
@@ -143,9 +143,8 @@ def test_cache_interface_for_generate():
     assert cache.get_seq_length() == 0 and not cache.is_compileable and not all(cache.is_linear)
     cache = fill(model)
     assert cache.get_seq_length() == IDS.shape[1] and cache.batch_size == IDS.shape[0]
-    with pytest.raises(ValueError, match="rows"):
-        with torch.no_grad():
-            model(IDS[:1, :1], cache=cache)
+    with pytest.raises(ValueError, match="rows"), torch.no_grad():
+        model(IDS[:1, :1], cache=cache)
     with pytest.raises(RuntimeError, match="decode path"):
         cache.update(torch.zeros(1), torch.zeros(1), 0)
     with pytest.raises(ValueError, match="part"):

@@ -8,6 +8,7 @@ logits and depths, whatever the split, the attention mode, the method, padding a
 from __future__ import annotations
 
 import io
+import itertools
 from contextlib import redirect_stdout
 
 import pytest
@@ -19,7 +20,7 @@ from retrofit.cache import DepthKVCache
 from retrofit.generation import LoopedGenerateOutput
 from retrofit.testing import char_tokenizer, tiny_base
 
-SPLITS = {"whole": dict(prelude=0, core=None), "middle": dict(prelude=1, core=3)}
+SPLITS = {"whole": {"prelude": 0, "core": None}, "middle": {"prelude": 1, "core": 3}}
 
 
 def randomized(model, seed: int = 1, scale: float = 0.5):
@@ -39,7 +40,7 @@ def looped(family="llama", method="fixed", split="whole", attention=None, max_de
 
 def decode_stepwise(model, ids, depth=None, attention_mask=None, prefill=4, chunks=None, **kw):
     """Prefill ``prefill`` tokens (or the given chunk lengths), then one token per step."""
-    B, T = ids.shape
+    _B, T = ids.shape
     cache = DepthKVCache(model.config)
     bounds = [0]
     for c in chunks or [prefill]:
@@ -47,7 +48,7 @@ def decode_stepwise(model, ids, depth=None, attention_mask=None, prefill=4, chun
     bounds += list(range(bounds[-1] + 1, T + 1))
     logits, depths = [], []
     with torch.no_grad():
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             dk = {} if depth is None else {"depth": depth[:, a:b] if torch.is_tensor(depth) else depth}
             am = None if attention_mask is None else attention_mask[:, :b]
             out = model(ids[:, a:b], attention_mask=am, cache=cache, **dk, **kw)
@@ -144,8 +145,8 @@ def test_batch_composition_does_not_change_a_row():
 
 def test_taps_and_training_free_exits_decode_like_full_forward():
     model = looped("llama", "fixed", "middle", max_depth=4, head_seed=2)
-    for kw in (dict(step_schedule="taps", depth=DEPTHS.clamp(max=4)), dict(exit_policy="kl", exit_threshold=1e-3),
-               dict(exit_policy="state", exit_threshold=0.3, step_schedule="taps")):
+    for kw in ({"step_schedule": "taps", "depth": DEPTHS.clamp(max=4)}, {"exit_policy": "kl", "exit_threshold": 1e-3},
+               {"exit_policy": "state", "exit_threshold": 0.3, "step_schedule": "taps"}):
         with torch.no_grad():
             full = model(IDS, **kw)
         dec_kw = dict(kw)
@@ -188,7 +189,7 @@ def test_depth_one_generation_equals_base_generate(tok, family):
     base = tiny_base(family, seed=0)
     model = looped(family, "tah2", "middle", seed=0, head_seed=3)
     enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
-    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    kw = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
     ref = base.generate(**enc, **kw)
     out = model.generate(**enc, depth=1, return_dict_in_generate=True, **kw)
     assert torch.equal(out.sequences, ref)
@@ -210,8 +211,8 @@ def test_generated_depths_are_the_forward_depths(tok):
 def test_sampling_num_return_sequences_and_exit_policies(tok):
     model = looped("llama", "fixed", "middle", max_depth=4, head_seed=2)
     enc = tok(PROMPTS[:2], return_tensors="pt", padding=True, padding_side="left")
-    for kw in (dict(), dict(depth=2), dict(exit_policy="kl", exit_threshold=1e-3), dict(exit_policy="state", exit_threshold=0.3),
-               dict(step_schedule="taps")):
+    for kw in ({}, {"depth": 2}, {"exit_policy": "kl", "exit_threshold": 1e-3}, {"exit_policy": "state", "exit_threshold": 0.3},
+               {"step_schedule": "taps"}):
         torch.manual_seed(0)
         a = model.generate(**enc, max_new_tokens=4, do_sample=True, num_return_sequences=3, return_dict_in_generate=True,
                            pad_token_id=0, **kw)
@@ -288,7 +289,7 @@ def test_cost_report_against_hand_counts(tok):
     d = torch.tensor([[1, 2, 3, 0]])  # 0 = padding, not counted
     rep = cost_report(model, d)
     assert rep["n_tokens"] == 3 and rep["cost_exec"] == 6 and rep["mean_depth"] == pytest.approx(2.0)
-    per_tok = lambda k: 2 * (c["prelude"] + k * c["core"] + (k - 1) * c["updater"] + c["coda"] + c["head"])  # noqa: E731
+    per_tok = lambda k: 2 * (c["prelude"] + k * c["core"] + (k - 1) * c["updater"] + c["coda"] + c["head"])
     assert rep["flops"] == pytest.approx(per_tok(1) + per_tok(2) + per_tok(3))
     assert rep["flops_vs_fixed"] == pytest.approx(rep["flops"] / (3 * per_tok(3)))
     assert rep["layers_adaptive_vs_fixed"] == pytest.approx((1 + 3 * 2 + 2) / (1 + 3 * 3 + 2))

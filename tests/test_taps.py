@@ -42,7 +42,7 @@ def test_taps_matches_the_scalar_reference():
     g = torch.Generator().manual_seed(0)
     A = torch.randn(8, 8, generator=g, dtype=torch.float64) * 0.4
     b = torch.randn(8, generator=g, dtype=torch.float64)
-    F = lambda h: torch.tanh(h @ A + b)  # noqa: E731
+    F = lambda h: torch.tanh(h @ A + b)
     h1 = torch.randn(3, 8, generator=g, dtype=torch.float64)
     sched = TAPS(beta=0.6, gain=0.7)
     state = sched.init(3)
@@ -85,7 +85,7 @@ def test_taps_grows_on_persistent_progress_and_shrinks_on_oscillation():
 def test_eta_one_is_exactly_the_unit_step():
     g = torch.Generator().manual_seed(1)
     A = torch.randn(16, 16, generator=g) * 0.3
-    F = lambda h: torch.sin(h @ A) + 0.1  # noqa: E731
+    F = lambda h: torch.sin(h @ A) + 0.1
     h1 = torch.randn(5, 16, generator=g)
     unit = run_schedule(UnitStep(), h1, F)
     for sched in (TAPS(gain=0.0), TAPS(eta_min=1.0, eta_max=1.0)):
@@ -94,7 +94,7 @@ def test_eta_one_is_exactly_the_unit_step():
 
 
 def looped(max_depth=4, split=True, seed=2):
-    kw = dict(prelude=1, core=3) if split else {}
+    kw = {"prelude": 1, "core": 3} if split else {}
     model = convert(tiny_base("llama"), LoopConfig(max_depth=max_depth, method="tah2", **kw))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -129,11 +129,11 @@ def test_taps_at_generate_time():
     tok = char_tokenizer()
     model = looped()
     enc = tok(["hello", "hi"], return_tensors="pt", padding=True, padding_side="left")
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
     unit = model.generate(**enc, **kw)
     same = model.generate(**enc, step_schedule=TAPS(gain=0.0), **kw)
     assert torch.equal(unit.sequences, same.sequences) and torch.equal(unit.depths, same.depths)
-    for policy in (dict(), dict(exit_policy="kl", exit_threshold=1e-2), dict(depth=3)):
+    for policy in ({}, {"exit_policy": "kl", "exit_threshold": 1e-2}, {"depth": 3}):
         out = model.generate(**enc, step_schedule="taps", **policy, **kw)
         assert out.depths.shape == (2, 8)
 

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from retrofit import LoopConfig, convert
-from retrofit.halting.training_free import EXIT_POLICIES, KLExit, StateChangeExit, resolve_exit_policy
+from retrofit.halting.training_free import (
+    EXIT_POLICIES,
+    KLExit,
+    StateChangeExit,
+    resolve_exit_policy,
+)
 from retrofit.testing import char_tokenizer, tiny_base
 
 
@@ -74,7 +79,7 @@ def test_state_exit_stops_at_small_relative_change():
 
 
 def looped(method="fixed", split="whole", max_depth=4, randomize=True, seed=2):
-    kw = dict(prelude=1, core=3) if split == "middle" else {}
+    kw = {"prelude": 1, "core": 3} if split == "middle" else {}
     model = convert(tiny_base("llama"), LoopConfig(max_depth=max_depth, method=method, **kw))
     if randomize:
         g = torch.Generator().manual_seed(seed)
@@ -113,7 +118,7 @@ def bruteforce_exits(model, ids, policy: str, threshold: float) -> torch.Tensor:
     layer = model.core_layers[-1]
     for t in range(T):
         states = []
-        hook = layer.register_forward_hook(lambda m, a, out: states.append(out.detach()))
+        hook = layer.register_forward_hook(lambda m, a, out, states=states: states.append(out.detach()))
         try:
             with torch.no_grad():
                 out = model(ids, depth=dstar, output_depth_logits=True)
