@@ -120,7 +120,7 @@ class DataArgs:
         metadata={"help": "Comma-separated held-out levels inside the training range; default: the task's own, "
                   "or none when --train_levels is given."},
     )
-    data_file: str | None = field(default=None, metadata={"help": "Use rows from this .jsonl/.json/.csv/.parquet instead of --task."})
+    data_file: str | None = field(default=None, metadata={"help": "Use rows from this .jsonl/.json/.parquet file or save_to_disk folder instead of --task."})
     eval_file: str | None = field(default=None, metadata={"help": "Evaluation rows for --data_file."})
     chat: str = field(default="auto", metadata={"help": "Format rows as chat turns: auto (if the tokenizer has a template), true, false."})
     resume: bool = field(default=False, metadata={"help": "Continue from the last complete checkpoint in --output_dir."})
@@ -152,12 +152,10 @@ def parse_args(argv=None):
 
 
 def read_rows(path: str) -> datasets.Dataset:
-    readers = {".jsonl": datasets.Dataset.from_json, ".json": datasets.Dataset.from_json,
-               ".csv": datasets.Dataset.from_csv, ".parquet": datasets.Dataset.from_parquet}
-    ext = Path(path).suffix
-    if ext not in readers:
-        raise SystemExit(f"--data_file {path}: unsupported extension {ext!r}; use one of {sorted(readers)}")
-    return readers[ext](path)
+    """Rows of a .jsonl/.json/.parquet file or a save_to_disk folder (clear ``DataError`` otherwise)."""
+    from data_prep.chat import load_rows
+
+    return datasets.Dataset.from_list(load_rows(path))
 
 
 def parse_levels(text: str | None) -> list[int] | None:
