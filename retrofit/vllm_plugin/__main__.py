@@ -7,8 +7,8 @@ runs the unchanged CLI.
 (vLLM's platform detection answers it the same way: ``vllm.platforms.vllm_version_matches_substr``.)
 """
 
-import importlib.metadata as metadata
 import sys
+from importlib import metadata
 
 
 def main() -> None:

@@ -20,12 +20,32 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 METHODS = ("tah2", "anira-e", "anira-o", "fixed")
 ATTENTION_MODES = ("same-depth", "duo-causal")
 # the method's attention when the checkpoint leaves it None (retrofit.config.DEFAULT_ATTENTION)
-DEFAULT_ATTENTION = {"tah2": "duo-causal", "anira-e": "same-depth", "anira-o": "same-depth", "fixed": "same-depth"}
+DEFAULT_ATTENTION = {
+    "tah2": "duo-causal",
+    "anira-e": "same-depth",
+    "anira-o": "same-depth",
+    "fixed": "same-depth",
+}
 # loop fields that only shape training: serving ignores them
-TRAINING_ONLY = ("train_decisions", "gumbel_tau", "fixed_graph", "deep_init_logit", "extra")
+TRAINING_ONLY = (
+    "train_decisions",
+    "gumbel_tau",
+    "fixed_graph",
+    "deep_init_logit",
+    "extra",
+)
 INFERENCE_FIELDS = (
-    "prelude", "core", "max_depth", "method", "attention", "updater_hidden", "decider_hidden", "decider_top_k",
-    "exit_threshold", "halt_threshold", "mixture_output",
+    "prelude",
+    "core",
+    "max_depth",
+    "method",
+    "attention",
+    "updater_hidden",
+    "decider_hidden",
+    "decider_top_k",
+    "exit_threshold",
+    "halt_threshold",
+    "mixture_output",
 )
 #: config attribute that forces every token to one depth (set it with vLLM's ``hf_overrides``)
 SERVE_DEPTH_ATTR = "retrofit_depth"
@@ -77,7 +97,9 @@ class LoopSpec:
 
 
 def _error(msg: str) -> LoopSpecError:
-    return LoopSpecError(f"{msg}. " + UNSUPPORTED_HINT.format(methods=", ".join(METHODS), modes=", ".join(ATTENTION_MODES)))
+    return LoopSpecError(
+        f"{msg}. " + UNSUPPORTED_HINT.format(methods=", ".join(METHODS), modes=", ".join(ATTENTION_MODES))
+    )
 
 
 def loop_spec(config) -> LoopSpec:
@@ -92,7 +114,9 @@ def loop_spec(config) -> LoopSpec:
     """
     loop = getattr(config, "loop", None)
     if not isinstance(loop, dict):
-        raise _error(f"config has no `loop` dict (model_type {getattr(config, 'model_type', None)!r}): not a looped checkpoint")
+        raise _error(
+            f"config has no `loop` dict (model_type {getattr(config, 'model_type', None)!r}): not a looped checkpoint"
+        )
     unknown = sorted(set(loop) - set(INFERENCE_FIELDS) - set(TRAINING_ONLY))
     if unknown:
         raise _error(f"config.loop has fields this plugin does not know: {unknown}")
@@ -108,7 +132,9 @@ def loop_spec(config) -> LoopSpec:
     p = loop.get("prelude", 0)
     c = loop.get("core")
     c = n - p if c is None else c
-    if not (isinstance(D, int) and D >= 1 and isinstance(p, int) and isinstance(c, int) and 0 <= p and c >= 1 and p + c <= n):
+    if not (
+        isinstance(D, int) and D >= 1 and isinstance(p, int) and isinstance(c, int) and 0 <= p and c >= 1 and p + c <= n
+    ):
         raise _error(f"invalid loop ranges: prelude={p}, core={c}, max_depth={D} for {n} layers")
     types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in types):
@@ -117,7 +143,7 @@ def loop_spec(config) -> LoopSpec:
     if depth is not None and not (isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= D):
         raise LoopSpecError(f"{SERVE_DEPTH_ATTR}={depth!r} is out of range: allowed None (the decider) or 1..{D}")
     return LoopSpec(
-        prelude=range(0, p),
+        prelude=range(p),
         core=range(p, p + c),
         coda=range(p + c, n),
         max_depth=D,

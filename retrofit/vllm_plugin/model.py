@@ -32,11 +32,11 @@ so vLLM's throughput is that of depth ``D``; the HF model skips exited tokens.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
-
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
@@ -93,8 +93,14 @@ class Halting(nn.Module):
     def __init__(self, spec: LoopSpec, hidden: int, prefix: str):
         super().__init__()
         H, D = hidden, spec.max_depth
-        in_out = {"tah2": (2 * H + spec.top_k, 1), "anira-e": (H, D), "anira-o": (H, 1)}.get(spec.method)
-        self.decider = None if in_out is None else DeciderFFN(in_out[0], spec.decider_hidden, in_out[1], f"{prefix}.decider")
+        in_out = {
+            "tah2": (2 * H + spec.top_k, 1),
+            "anira-e": (H, D),
+            "anira-o": (H, 1),
+        }.get(spec.method)
+        self.decider = (
+            None if in_out is None else DeciderFFN(in_out[0], spec.decider_hidden, in_out[1], f"{prefix}.decider")
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -134,7 +140,9 @@ def _store(attn: Attention, dtype: torch.dtype) -> torch.Tensor:
     """
     kv = attn.kv_cache[0] if isinstance(attn.kv_cache, (list, tuple)) else attn.kv_cache
     if not kv.is_contiguous():
-        raise RuntimeError(f"duo-causal attention needs a contiguous KV cache tensor; {attn.layer_name} has strides {kv.stride()}")
+        raise RuntimeError(
+            f"duo-causal attention needs a contiguous KV cache tensor; {attn.layer_name} has strides {kv.stride()}"
+        )
     flat = kv.view(-1)
     if flat.dtype != dtype:
         flat = flat.view(torch.uint8).view(dtype)
@@ -185,7 +193,9 @@ def duo_causal_attention(attns: list[Attention], q, k, v, state: LoopState, bloc
         kslots = bt[r, pos // block_size].long() * block_size + pos % block_size  # [L]
         if not state.checked_block_size:  # our slot arithmetic must be vLLM's
             if not torch.equal(kslots[L - nq :], slots[a:b].long()):
-                raise RuntimeError("duo-causal attention: block table and slot mapping disagree (unexpected KV block size)")
+                raise RuntimeError(
+                    "duo-causal attention: block table and slot mapping disagree (unexpected KV block size)"
+                )
             state.checked_block_size = True
         K = torch.stack([s[kslots, :, 0] for s in stores])  # [m, L, KVH, hd]
         V = torch.stack([s[kslots, :, 1] for s in stores])
@@ -213,7 +223,14 @@ class DepthAttention(nn.Module):
     readouts) or ``"duo-causal"`` (``duo_causal_attention`` over depths ``1 … d``).
     """
 
-    def __init__(self, attns: list[Attention], state: LoopState, group: str, mode: str, block_size: int):
+    def __init__(
+        self,
+        attns: list[Attention],
+        state: LoopState,
+        group: str,
+        mode: str,
+        block_size: int,
+    ):
         super().__init__()
         self.attns = nn.ModuleList(attns)
         self.state = state
@@ -228,8 +245,15 @@ class DepthAttention(nn.Module):
         return self.attns[d - 1](q, k, v)
 
 
-def _add_depth_attention(layer: nn.Module, depths: int, new_name, state: LoopState, group: str, mode: str,
-                         block_size: int) -> None:
+def _add_depth_attention(
+    layer: nn.Module,
+    depths: int,
+    new_name,
+    state: LoopState,
+    group: str,
+    mode: str,
+    block_size: int,
+) -> None:
     """Give ``layer.self_attn`` one ``Attention`` (one KV cache) per depth, cloned from its own."""
     base: Attention = layer.self_attn.attn
     attns = [base]
@@ -240,17 +264,11 @@ def _add_depth_attention(layer: nn.Module, depths: int, new_name, state: LoopSta
                 base.head_size,
                 base.impl.scale,
                 num_kv_heads=base.num_kv_heads,
-                cache_config=base_cache_config(),
+                cache_config=get_current_vllm_config().cache_config,
                 prefix=new_name(),
             )
         )
     layer.self_attn.attn = DepthAttention(attns, state, group, mode, block_size)
-
-
-def base_cache_config():
-    from vllm.config import get_current_vllm_config
-
-    return get_current_vllm_config().cache_config
 
 
 # ------------------------------------------------------------------------------------------------
@@ -258,7 +276,10 @@ class LoopedForCausalLM(nn.Module):
     """A looped Llama / Qwen3 for vLLM (subclasses bind the backbone class)."""
 
     backbone_cls: type = None
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -287,10 +308,26 @@ class LoopedForCausalLM(nn.Module):
         block_size = vllm_config.cache_config.block_size
         D = spec.max_depth
         for i in spec.core:
-            _add_depth_attention(self.model.layers[i], D, new_name, self.state, "core", spec.attention, block_size)
+            _add_depth_attention(
+                self.model.layers[i],
+                D,
+                new_name,
+                self.state,
+                "core",
+                spec.attention,
+                block_size,
+            )
         if spec.needs_readout and len(spec.coda) and D > 1:
             for i in spec.coda:
-                _add_depth_attention(self.model.layers[i], D, new_name, self.state, "coda", "kernel", block_size)
+                _add_depth_attention(
+                    self.model.layers[i],
+                    D,
+                    new_name,
+                    self.state,
+                    "coda",
+                    "kernel",
+                    block_size,
+                )
 
     # -- vLLM's model interface ---------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -378,7 +415,6 @@ class LoopedForCausalLM(nn.Module):
         # TaH2 output mixture, streamed over depths (retrofit.generation.cached_forward)
         log_mix = lse_exit = z_exit = None
         survive = torch.ones(N, device=dev)
-        exited = torch.zeros(N, dtype=torch.bool, device=dev)  # exit decided at an earlier depth
         depths = torch.full((N,), D, dtype=torch.long, device=dev)
 
         for d in range(1, D + 1):
@@ -425,7 +461,11 @@ class LoopedForCausalLM(nn.Module):
             if z is not None:
                 if spec.mixture_output:
                     pi = survive if c is None else torch.where(stop_here, survive, survive * (1 - c))
-                    log_pi = torch.where(active, pi.clamp_min(1e-30).log(), torch.full_like(pi, float("-inf")))
+                    log_pi = torch.where(
+                        active,
+                        pi.clamp_min(1e-30).log(),
+                        torch.full_like(pi, float("-inf")),
+                    )
                     term = log_pi[:, None] + z.log_softmax(-1)
                     log_mix = term if log_mix is None else torch.logaddexp(log_mix, term)
                     lse = z.logsumexp(-1)
@@ -433,7 +473,6 @@ class LoopedForCausalLM(nn.Module):
                     if c is not None:
                         survive = survive * c
                 z_exit = z if z_exit is None else torch.where(stop_here[:, None], z, z_exit)
-            exited |= stop_here
             active = nxt
 
         if spec.needs_readout:

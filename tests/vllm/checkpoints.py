@@ -11,12 +11,28 @@ from pathlib import Path
 
 import torch
 
-SHAPES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
+SHAPES = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
-def build_checkpoint(folder: str | Path, family: str, method: str, attention: str | None = None, *, prelude: int = 1,
-                     core: int | None = 3, max_depth: int = 3, seed: int = 0, decider_std: float = 1.0,
-                     updater_std: float = 0.05):
+def build_checkpoint(
+    folder: str | Path,
+    family: str,
+    method: str,
+    attention: str | None = None,
+    *,
+    prelude: int = 1,
+    core: int | None = 3,
+    max_depth: int = 3,
+    seed: int = 0,
+    decider_std: float = 1.0,
+    updater_std: float = 0.05,
+):
     """Convert a tiny random base, perturb its heads, ``save_pretrained`` it (with a tokenizer) into ``folder``.
 
     Perturbation (all from ``seed``): the updater's zero-initialized output ``updater.w2`` gets
@@ -32,7 +48,13 @@ def build_checkpoint(folder: str | Path, family: str, method: str, attention: st
 
     extra = {"head_dim": 32} if family == "qwen3" else {}
     base = tiny_base(family, seed=seed, **SHAPES, **extra)
-    loop = retrofit.LoopConfig(prelude=prelude, core=core, max_depth=max_depth, method=method, attention=attention)
+    loop = retrofit.LoopConfig(
+        prelude=prelude,
+        core=core,
+        max_depth=max_depth,
+        method=method,
+        attention=attention,
+    )
     model = retrofit.convert(base, loop).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -59,9 +81,16 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, depth: int |
     for p in prompts:
         ids = torch.tensor([p])
         kw = {} if depth is None else {"depth": depth}
-        out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, return_dict_in_generate=True,
-                             output_logits=True, pad_token_id=0, **kw)
-        new = out.sequences[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=0,
+            **kw,
+        )
+        new = out.sequences[0, ids.shape[1] :].tolist()
         lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, new)]
         toks.append(new)
         lps.append(lp)

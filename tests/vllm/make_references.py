@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoints import build_checkpoint, hf_greedy  # noqa: E402
+from checkpoints import build_checkpoint, hf_greedy
 
 PROMPTS = [
     [5, 17, 33, 42, 8, 9, 60, 70],
@@ -31,16 +31,43 @@ MAX_NEW_TOKENS = 16
 
 # name: checkpoint arguments; "serve" lists the ways vLLM serves it: None = the decider, k = depth k for every token
 CASES = {
-    "llama-tah2-duo": dict(family="llama", method="tah2", attention="duo-causal", serve=[None, 2]),
-    "llama-tah2-same": dict(family="llama", method="tah2", attention="same-depth", serve=[None]),
-    "llama-anira-e": dict(family="llama", method="anira-e", serve=[None]),
-    "llama-anira-o": dict(family="llama", method="anira-o", serve=[None, 1]),
-    "llama-fixed": dict(family="llama", method="fixed", serve=[None]),
+    "llama-tah2-duo": {
+        "family": "llama",
+        "method": "tah2",
+        "attention": "duo-causal",
+        "serve": [None, 2],
+    },
+    "llama-tah2-same": {
+        "family": "llama",
+        "method": "tah2",
+        "attention": "same-depth",
+        "serve": [None],
+    },
+    "llama-anira-e": {"family": "llama", "method": "anira-e", "serve": [None]},
+    "llama-anira-o": {"family": "llama", "method": "anira-o", "serve": [None, 1]},
+    "llama-fixed": {"family": "llama", "method": "fixed", "serve": [None]},
     # Qwen3: no coda (the core runs to the last layer), served from a `retrofit export` folder
-    "qwen3-tah2-duo": dict(family="qwen3", method="tah2", attention="duo-causal", core=None, export=True, serve=[None]),
-    "qwen3-anira-o": dict(family="qwen3", method="anira-o", serve=[None]),
-    "qwen3-anira-e-duo": dict(family="qwen3", method="anira-e", attention="duo-causal", serve=[None]),
-    "qwen3-fixed-duo": dict(family="qwen3", method="fixed", attention="duo-causal", serve=[3]),
+    "qwen3-tah2-duo": {
+        "family": "qwen3",
+        "method": "tah2",
+        "attention": "duo-causal",
+        "core": None,
+        "export": True,
+        "serve": [None],
+    },
+    "qwen3-anira-o": {"family": "qwen3", "method": "anira-o", "serve": [None]},
+    "qwen3-anira-e-duo": {
+        "family": "qwen3",
+        "method": "anira-e",
+        "attention": "duo-causal",
+        "serve": [None],
+    },
+    "qwen3-fixed-duo": {
+        "family": "qwen3",
+        "method": "fixed",
+        "attention": "duo-causal",
+        "serve": [3],
+    },
 }
 
 
@@ -57,15 +84,36 @@ def main(out: Path, only: list[str] | None = None) -> None:
         if case.get("export"):
             # the folder vLLM serves is the self-contained export (config with auto_map, bundled code)
             exported = out / f"{name}-export"
-            subprocess.run([sys.executable, "-m", "retrofit.cli", "export", str(folder), "--out", str(exported),
-                            "--overwrite"], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "retrofit.cli",
+                    "export",
+                    str(folder),
+                    "--out",
+                    str(exported),
+                    "--overwrite",
+                ],
+                check=True,
+            )
             folder = exported
         for depth in case["serve"]:
             toks, lps, depths = hf_greedy(model, PROMPTS, MAX_NEW_TOKENS, depth=depth)
             key = name if depth is None else f"{name}@{depth}"
-            refs[key] = dict(folder=str(folder), depth=depth, max_depth=model.config.loop["max_depth"],
-                             prompts=PROMPTS, tokens=toks, logprobs=lps, depths=depths)
-            print(f"{key}: depths seen {sorted({d for row in depths for d in row})}", flush=True)
+            refs[key] = {
+                "folder": str(folder),
+                "depth": depth,
+                "max_depth": model.config.loop["max_depth"],
+                "prompts": PROMPTS,
+                "tokens": toks,
+                "logprobs": lps,
+                "depths": depths,
+            }
+            print(
+                f"{key}: depths seen {sorted({d for row in depths for d in row})}",
+                flush=True,
+            )
     (out / "references.json").write_text(json.dumps(refs, indent=1))
 
 

