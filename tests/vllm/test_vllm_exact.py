@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -152,6 +153,7 @@ def _serve_and_query(ref, port, log, log_file):
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the API server, engine core and worker end together
         env={
             **os.environ,
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
@@ -179,8 +181,12 @@ def _serve_and_query(ref, port, log, log_file):
             )
             assert list(r.choices[0].token_ids)[: len(want)] == want
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a server still starting up may not honour SIGTERM
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
 
 
 # -- load-time checks (no engine) -----------------------------------------------------------------
