@@ -12,6 +12,7 @@ default ``python3``): retrofit's supported transformers is newer than the one vl
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -185,8 +186,10 @@ def _serve_and_query(ref, port, log, log_file):
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:  # a server still starting up may not honour SIGTERM
+            pass
+        with contextlib.suppress(ProcessLookupError):  # whatever of the group is left
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
+        proc.wait(timeout=60)
 
 
 # -- load-time checks (no engine) -----------------------------------------------------------------
