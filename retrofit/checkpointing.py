@@ -425,18 +425,21 @@ def torch_file_problem(path: str | os.PathLike, load: bool = False) -> str | Non
     if size == 0:
         return f"{path.name} is empty (0 bytes)"
     try:
-        with zipfile.ZipFile(path) as z:
-            names = z.namelist()
-            pkl = [n for n in names if n.endswith("data.pkl")]
+        z = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"{path.name} is truncated or corrupt ({size} bytes; {e})"
+    with z:
+        try:
+            pkl = [n for n in z.namelist() if n.endswith("data.pkl")]
+            if not pkl:
+                return f"{path.name} is not a torch.save file (no data.pkl)"
             for n in pkl:
                 z.read(n)  # checks its CRC
             bad = z.testzip() if size < _CRC_ALL_BELOW else None
-            if bad is not None:
-                return f"{path.name} is corrupt (member {bad} fails its CRC)"
-            if not pkl:
-                return f"{path.name} is not a torch.save file (no data.pkl)"
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-        return f"{path.name} is truncated or corrupt ({size} bytes; {e})"
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+            return f"{path.name} is corrupt ({e})"
+        if bad is not None:
+            return f"{path.name} is corrupt (member {bad} fails its CRC)"
     if load:
         import torch
 
