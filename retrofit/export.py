@@ -426,9 +426,14 @@ def _readable_json(path: Path) -> bool:
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is replaced only once ``tmp`` is complete."""
+    """Rename ``tmp`` to ``out``; an existing ``out`` is replaced only once ``tmp`` is complete (and
+    on disk: its files are ``fsync``-ed before the rename, the parent folder after it)."""
+    from .checkpointing import _fsync_dir, fsync_tree
+
+    fsync_tree(tmp)
     if not out.exists():
         os.replace(tmp, out)
+        _fsync_dir(out.parent)
         return
     trash = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
     os.replace(out, trash)
@@ -437,6 +442,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     except BaseException:
         os.replace(trash, out)
         raise
+    _fsync_dir(out.parent)
     shutil.rmtree(trash, ignore_errors=True)
 
 
