@@ -523,16 +523,15 @@ def weights_are_finite(folder: str | os.PathLike) -> bool | None:
     Streams one tensor at a time. Returns None when the folder has no safetensors weights (a
     DeepSpeed-only checkpoint): unknown.
     """
-    from safetensors import safe_open
-
     import torch
+    from safetensors import safe_open
 
     files = _weights_files(Path(folder))
     if not files:
         return None
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
+            for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 t = st.get_tensor(key)
                 if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                     return False

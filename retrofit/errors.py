@@ -121,7 +121,7 @@ def run_cli(main: Callable[..., int | None], *args, **kwargs) -> int:
                 traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
             return report_user_error(e.code)
         raise
-    except BaseException as e:  # noqa: BLE001 (classified below; everything else re-raised as is)
+    except BaseException as e:
         if not is_user_error(e):
             raise
         return report_user_error(e)

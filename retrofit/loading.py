@@ -200,8 +200,9 @@ def load_model(spec: str, dtype: torch.dtype | str | None = None, **kwargs):
     Raises:
         ModelLoadError: the input cannot be loaded (one line: which input, why, what is accepted).
     """
-    import retrofit  # noqa: F401  (registers the looped classes with AutoModelForCausalLM)
     from transformers import AutoModelForCausalLM
+
+    import retrofit  # noqa: F401  (registers the looped classes with AutoModelForCausalLM)
 
     if not isinstance(spec, (str, os.PathLike)) or not str(spec).strip():
         raise ModelLoadError(f"no model given (got {spec!r}); --model takes {ACCEPTED}")

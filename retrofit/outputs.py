@@ -185,7 +185,7 @@ def write_marker(folder: str | os.PathLike, command: str) -> Path:
     info = {
         "written_by": command,
         "retrofit_version": __version__,
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017 (3.10)
         "note": "retrofit may replace this folder when asked to (--overwrite); delete this file to protect it",
     }
     path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")

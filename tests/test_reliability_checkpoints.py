@@ -244,7 +244,7 @@ def test_safetensors_header_checks_agree_with_the_library(tmp_path):
         "garbage": b"\xff" * 64,
         "bad json": good[:8] + b"[" + good[9:],
     }
-    for name, data in cases.items():
+    for data in cases.values():
         p.write_bytes(data)
         with pytest.raises(InvalidCheckpointError):
             safetensors_header(p)

@@ -242,12 +242,12 @@ def _env(**kw):
 @pytest.mark.integration
 def test_the_retrofit_command_exits_2_without_a_traceback(files):
     cmd = [sys.executable, "-m", "retrofit.cli", "generate", "--model", str(files / "nope"), "--prompt", b"caf\xe9"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, timeout=300, check=False)
     err = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == 2, err
     assert one_error_line(err) == err.rstrip("\n").splitlines()[-1]
     assert "--prompt is not valid UTF-8 (undecodable byte 0xe9 at position 3)" in err  # checked before the model
-    debug = subprocess.run(cmd, cwd=REPO, env=_env(RETROFIT_DEBUG="1"), capture_output=True, timeout=300)
+    debug = subprocess.run(cmd, cwd=REPO, env=_env(RETROFIT_DEBUG="1"), capture_output=True, timeout=300, check=False)
     derr = debug.stderr.decode("utf-8", "replace")
     assert debug.returncode == 2 and "Traceback" in derr and derr.rstrip("\n").splitlines()[-1].startswith("error: ")
 
@@ -258,7 +258,7 @@ def test_a_recipe_exits_2_without_a_traceback_directly_and_under_accelerate(tmp_
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 3, ')
     args = [*TINY, "--data_file", str(bad), "--output_dir", str(tmp_path / "o")]
     direct = subprocess.run([sys.executable, "recipes/tah2_llama.py", *args], cwd=REPO, env=_env(),
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=600, check=False)
     assert direct.returncode == 2, direct.stderr[-3000:]
     line = one_error_line(direct.stderr)
     assert line == direct.stderr.rstrip("\n").splitlines()[-1] and "bad.jsonl:2: invalid JSON" in line
@@ -267,7 +267,7 @@ def test_a_recipe_exits_2_without_a_traceback_directly_and_under_accelerate(tmp_
     launched = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "-q", "--config_file", "launch/cpu.yaml",
          "--num_cpu_threads_per_process", "1", "recipes/tah2_llama.py", *args],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600, check=False,
     )
     assert launched.returncode != 0
     assert one_error_line(launched.stderr) == line

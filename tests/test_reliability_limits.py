@@ -20,7 +20,11 @@ from retrofit import LoopConfig, LoopConfigError
 from retrofit.cache import DepthKVCache
 from retrofit.cli import main
 from retrofit.config import MAX_DEPTH, DepthError, validate_depth
-from retrofit.memory import MemoryEstimateError, check_generation_memory, generation_bytes
+from retrofit.memory import (
+    MemoryEstimateError,
+    check_generation_memory,
+    generation_bytes,
+)
 from retrofit.testing import char_tokenizer, tiny_base
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,7 +139,12 @@ def test_bench_never_runs_the_working_directorys_benchmarks(tmp_path, monkeypatc
 # periodic evaluation without an evaluation set (fixed_loop's documented smoke command)
 # ------------------------------------------------------------------------------------------------
 def test_eval_strategy_without_an_eval_set_turns_evaluation_off(tmp_path, caplog):
-    from retrofit.training import BadDataError, RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
+    from retrofit.training import (
+        BadDataError,
+        RetrofitSFTConfig,
+        RetrofitSFTTrainer,
+        format_sft_dataset,
+    )
 
     torch.set_num_threads(1)
     ds, _ = format_sft_dataset(datasets.Dataset.from_list([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)]))
@@ -165,7 +174,7 @@ def test_fixed_loop_documented_smoke_command_runs(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "launch/cpu.yaml",
            "--num_cpu_threads_per_process", "1", "recipes/fixed_loop.py",
            "--model", "tiny-llama", "--data_file", str(rows), "--max_steps", "3", "--output_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out / "final" / "model.safetensors").is_file()
     assert json.loads((out / "data_report.json").read_text())["train_rows"]["kept"] == 36

@@ -16,7 +16,14 @@ import torch
 import retrofit
 from retrofit.cli import main
 from retrofit.export import ExportError, export_model, push_to_hub
-from retrofit.outputs import MARKER, OutputTargetError, check_output_folder, relation, run_folder_of, written_by_retrofit
+from retrofit.outputs import (
+    MARKER,
+    OutputTargetError,
+    check_output_folder,
+    relation,
+    run_folder_of,
+    written_by_retrofit,
+)
 from retrofit.testing import char_tokenizer, tiny_base
 
 
@@ -186,7 +193,11 @@ def test_training_output_dir_may_not_contain_the_model_folder(tmp_path):
     """A run writing into (or around) the folder its model came from would rotate or replace it."""
     import datasets
 
-    from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
+    from retrofit.training import (
+        RetrofitSFTConfig,
+        RetrofitSFTTrainer,
+        format_sft_dataset,
+    )
 
     src = tmp_path / "models" / "looped"
     looped().save_pretrained(src)
