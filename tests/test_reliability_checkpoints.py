@@ -252,3 +252,24 @@ def test_safetensors_header_checks_agree_with_the_library(tmp_path):
             load_file(str(p))
     p.write_bytes(good)
     assert set(load_file(str(p))) == {"a", "b", "c"}
+
+
+def test_a_truncated_eval_file_does_not_break_export(tmp_path, caplog):
+    """final/retrofit_eval.json cut short (a non-atomic write interrupted): export warns and leaves it out."""
+    from retrofit.export import export
+
+    torch.manual_seed(0)
+    m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=2))
+    ckpt = tmp_path / "final"
+    m.save_pretrained(ckpt)
+    char_tokenizer().save_pretrained(ckpt)
+    full = json.dumps({"models": {"looped": {"tasks": {"mano": {"levels": {"1": {"accuracy": 0.5, "n": 4}}}}}}})
+    (ckpt / "retrofit_eval.json").write_text(full[: len(full) // 2])
+    with caplog.at_level(logging.WARNING, logger="retrofit.export"):
+        out = export(ckpt, tmp_path / "exp")
+    assert (out / "model.safetensors").is_file() and not (out / "retrofit_eval.json").exists()
+    assert "retrofit_eval.json" in caplog.text and "not valid JSON" in caplog.text
+    # written whole (write_json_atomic), the same file is used for the card and copied
+    write_json_atomic(ckpt / "retrofit_eval.json", json.loads(full))
+    out = export(ckpt, tmp_path / "exp2")
+    assert json.loads((out / "retrofit_eval.json").read_text()) == json.loads(full)
