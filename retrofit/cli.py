@@ -2,7 +2,7 @@
 
 Every subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; this file only
 dispatches (one explicit table, imported lazily so ``retrofit --help`` stays fast), checks that no
-output path overlaps an input (``OUTPUT_PATHS``, ``retrofit.outputs``) and reports user errors as
+output path overlaps an input (``OUTPUT_PATHS``, ``retrofit.output_paths``) and reports user errors as
 one ``error: ...`` line with exit code 2 (``retrofit.errors.run_cli``; ``RETROFIT_DEBUG=1`` shows
 the traceback).
 """
@@ -37,8 +37,8 @@ OUTPUT_PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 def check_paths(command: str, args: argparse.Namespace) -> None:
-    """Refuse an output option that overlaps an input option (``retrofit.outputs.check_no_overlap``)."""
-    from .outputs import check_no_overlap
+    """Refuse an output option that overlaps an input option (``retrofit.output_paths.check_no_overlap``)."""
+    from .output_paths import check_no_overlap
 
     outs, ins = OUTPUT_PATHS.get(command, ((), ()))
     inputs = [getattr(args, name, None) for name in ins]

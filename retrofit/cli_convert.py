@@ -19,7 +19,7 @@ Before writing, the conversion is checked: with every token forced to exit at de
 model's logits must equal the base model's on a short probe (``--no-check`` skips it).
 
 ``--out`` may not be, contain or lie inside ``--model``; ``--overwrite`` replaces only a folder
-that retrofit wrote (``retrofit.outputs``: the folder gets a ``.retrofit-output`` marker). Bad
+that retrofit wrote (``retrofit.output_paths``: the folder gets a ``.retrofit-output`` marker). Bad
 input (a missing or truncated model file, an invalid loop spec…) is one ``error:`` line, exit 2.
 """
 
@@ -160,7 +160,7 @@ def convert_to_folder(
     from .export import _check_target, _swap_into_place
     from .loading import load_model
     from .modeling import LoopedForCausalLM
-    from .outputs import write_marker
+    from .output_paths import write_marker
 
     out = _check_target(Path(out), overwrite, [model])
     if dtype not in DTYPES:

@@ -43,7 +43,7 @@ Everything is written into a temporary folder next to ``--out`` and renamed into
 end; a failure removes the temporary folder and leaves ``--out`` as it was. ``--out`` may not be,
 contain or lie inside the checkpoint (nor be or contain its training run folder), and a non-empty
 ``--out`` is replaced only with ``--overwrite`` and only when retrofit wrote it (its
-``.retrofit-output`` marker, ``retrofit.outputs``). The checkpoint's weights are checked
+``.retrofit-output`` marker, ``retrofit.output_paths``). The checkpoint's weights are checked
 (safetensors headers and sizes) before loading, and an unreadable evaluation file is left out of
 the card with a warning.
 """
@@ -65,7 +65,7 @@ from pathlib import Path
 from huggingface_hub import HfApi
 
 from .errors import RetrofitUserError
-from .outputs import MARKER, OutputTargetError, check_output_folder, write_marker
+from .output_paths import MARKER, OutputTargetError, check_output_folder, write_marker
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ def load_checkpoint(ckpt: str | Path, tokenizer: str | Path | None = None, *, fo
 # Export
 # ================================================================================================
 def _check_target(out: Path, overwrite: bool, inputs=()) -> Path:
-    """``retrofit.outputs.check_output_folder`` as an ``ExportError``: ``out`` may not overlap ``inputs``,
+    """``retrofit.output_paths.check_output_folder`` as an ``ExportError``: ``out`` may not overlap ``inputs``,
     and a non-empty ``out`` is replaced only with ``overwrite`` and only when retrofit wrote it."""
     try:
         return check_output_folder(out, inputs, overwrite=overwrite)

@@ -593,7 +593,7 @@ class RetrofitSFTTrainer(SFTTrainer):
           the problems and the newest valid checkpoint next to it.
         - ``output_dir`` may not be, contain or lie inside the folder the model was loaded from.
         """
-        from .outputs import OutputTargetError, relation
+        from .output_paths import OutputTargetError, relation
 
         source = getattr(self._looped.config, "_name_or_path", None)
         if source and os.path.isdir(source) and self.args.output_dir:

@@ -395,7 +395,7 @@ def test_refuses_non_empty_out_without_overwrite(tmp_path):
     with pytest.raises(ExportError, match="not empty.*--overwrite"):
         export_model(m, out)
     assert (out / "keep.txt").read_text() == "precious"
-    # --overwrite replaces only a folder retrofit wrote (retrofit.outputs): not this one
+    # --overwrite replaces only a folder retrofit wrote (retrofit.output_paths): not this one
     with pytest.raises(ExportError, match="only an empty folder or one written by retrofit"):
         export_model(m, out, overwrite=True)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]

@@ -16,7 +16,7 @@ import torch
 import retrofit
 from retrofit.cli import main
 from retrofit.export import ExportError, export_model, push_to_hub
-from retrofit.outputs import (
+from retrofit.output_paths import (
     MARKER,
     OutputTargetError,
     check_output_folder,
