@@ -174,6 +174,7 @@ class Engine:
         self.stats = {"steps": 0, "tokens": 0, "depth_sum": 0, "core_rows": 0, "requests_finished": 0}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
         self.step_lock = threading.Lock()
+        self.last_core: list[tuple[int, int]] = []
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams | None = None, *, request_id: str | None = None,
@@ -426,6 +427,7 @@ class Engine:
         pos_t = torch.tensor(run_pos, device=dev)
         rank_t = torch.tensor(run_rank, device=dev)
         self.stats["core_rows"] += N
+        self.last_core = list(zip(run_s, run_d))  # (sequence slot, depth) of each row of this step's core call
 
         e = self.e[rows_t]
         h_prev = self.h[rows_t]
