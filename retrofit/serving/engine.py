@@ -118,7 +118,7 @@ class Engine:
         tokenizer: for stop strings and text (optional: without it, token ids only).
         max_seqs: requests running at once (the batch size).
         max_model_len: longest prompt + answer (default: the model's context, at most 2048).
-        kv_budget_bytes: memory for K/V (default 256 MiB).
+        kv_budget_bytes: memory for K/V (default 64 MiB).
         block_size: token slots per KV block.
         max_rows: row slots (tokens in flight); default ``max_seqs + max_model_len`` so one prompt of the
             longest length always fits.
@@ -127,7 +127,7 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, *, max_seqs: int = 32, max_model_len: int | None = None,
-                 kv_budget_bytes: int = 256 << 20, block_size: int = 16, max_rows: int | None = None,
+                 kv_budget_bytes: int = 64 << 20, block_size: int = 16, max_rows: int | None = None,
                  default_exit: dict | None = None, eos_token_id=None):
         from ..modeling import LoopedForCausalLM
 

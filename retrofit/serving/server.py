@@ -15,11 +15,12 @@ A bad request gets a 4xx answer with an OpenAI-style JSON error (``{"error": {"m
 request (its rows and KV blocks are freed); SIGTERM stops uvicorn gracefully and then the engine.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: FastAPI reads the route functions' annotations (Request)
 import asyncio
 import json
 import logging
+import signal
+import threading
 import time
 import uuid
 
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param=None, code=None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -301,5 +302,13 @@ def serve(engine: Engine, tokenizer, model_name: str, host: str = "127.0.0.1", p
     app = create_app(engine, tokenizer, model_name)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-    server.run()
-    engine.shutdown()
+    main = threading.current_thread() is threading.main_thread()
+    # uvicorn handles SIGTERM itself (graceful shutdown, then the lifespan stops the engine) and re-raises
+    # the signal afterwards; by then everything has stopped, so the re-raised SIGTERM may end us normally
+    prev = signal.signal(signal.SIGTERM, lambda signum, frame: None) if main else None
+    try:
+        server.run()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, prev)
+        engine.shutdown()
