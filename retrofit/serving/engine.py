@@ -120,8 +120,8 @@ class Engine:
         max_model_len: longest prompt + answer (default: the model's context, at most 2048).
         kv_budget_bytes: memory for K/V (default 64 MiB).
         block_size: token slots per KV block.
-        max_rows: row slots (tokens in flight); default ``max_seqs + max_model_len`` so one prompt of the
-            longest length always fits.
+        max_rows: row slots (tokens in flight, prompts included); default ``16 * max_seqs + max_model_len``
+            (a prompt of the longest length always fits).
         default_exit: the exit arguments a request gets when it names none (``generate``'s keywords).
         eos_token_id: end-of-sequence id(s) (default: the model's generation config).
     """
@@ -139,7 +139,7 @@ class Engine:
         self.D = model.loop.max_depth
         self.max_seqs = max_seqs
         self.max_len = int(max_model_len or min(getattr(cfg, "max_position_embeddings", 2048) or 2048, 2048))
-        self.max_rows = int(max_rows or (max_seqs + self.max_len))
+        self.max_rows = int(max_rows or (16 * max_seqs + self.max_len))
         self.runner = LayerRunner(layer_ops_for(model))
         self.adapter = MethodAdapter(model, self.max_rows, max_seqs)
         self.kv = PagedKV(model, kv_budget_bytes, max_seqs, self.max_len, block_size)
@@ -175,6 +175,11 @@ class Engine:
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
         self.step_lock = threading.Lock()
         self.last_core: list[tuple[int, int]] = []
+        # FLOPs of one token exiting at depth d (retrofit.flops; a per-token sum), with and without readouts
+        self._flops = {}
+        for ro in (False, True):
+            reps = [cost_report(model, torch.tensor([d]), readout=ro) for d in range(1, self.D + 1)]
+            self._flops[ro] = ([0.0] + [r["flops"] for r in reps], reps[0]["flops_fixed"])
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams | None = None, *, request_id: str | None = None,
@@ -321,8 +326,9 @@ class Engine:
         req.finish_reason = reason
         req.text = seq.stops.text
         n_gen = len(req.output)
-        depths = torch.tensor(req.position_depths or [1])
-        rep = cost_report(self.model, depths, readout=seq.readout)
+        per_depth, fixed = self._flops[seq.readout]
+        flops = sum(per_depth[d] for d in req.position_depths)
+        n_pos = len(req.position_depths)
         req.usage = {
             "prompt_tokens": len(req.prompt),
             "completion_tokens": n_gen,
@@ -330,8 +336,8 @@ class Engine:
             "mean_depth": (sum(req.depths) / len(req.depths)) if req.depths else None,
             "prompt_mean_depth": (sum(req.position_depths[: len(req.prompt)]) / len(req.prompt))
             if len(req.position_depths) >= len(req.prompt) else None,
-            "flops": rep.get("flops", 0.0) if req.position_depths else 0.0,
-            "flops_vs_fixed_depth": rep.get("flops_vs_fixed") if req.position_depths else None,
+            "flops": flops,
+            "flops_vs_fixed_depth": flops / (n_pos * fixed) if n_pos else None,
         }
         self.stats["requests_finished"] += 1
         req._emit({"type": "finish", "reason": reason, "usage": req.usage, "text": req.text})
@@ -386,11 +392,17 @@ class Engine:
                 x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
         self.e[rows] = x
         self.h[rows] = x
+        by_spec: dict[ExitSpec, list[int]] = {}  # one call per exit spec (usually one for the whole step)
         start = 0
         for g in groups:
-            n = len(g.rows)
-            self.adapter.enter(rows[start : start + n], x[start : start + n], g.seq.req.spec)
-            start += n
+            by_spec.setdefault(g.seq.req.spec, []).extend(range(start, start + len(g.rows)))
+            start += len(g.rows)
+        for spec, idx in by_spec.items():
+            if len(idx) == len(rows):
+                self.adapter.enter(rows, x, spec)
+            else:
+                it = torch.tensor(idx, device=dev)
+                self.adapter.enter(rows[it], x[it], spec)
 
     # -- core, readout, decisions -----------------------------------------------------------------
     def _core_step(self) -> None:

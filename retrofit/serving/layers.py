@@ -114,7 +114,34 @@ class LayerRunner:
             out = F.scaled_dot_product_attention(q[:, :, None, :], K, V, attn_mask=mask, scale=a.scaling, enable_gqa=gqa)
             return out.reshape(N, Hq * hd)
         out = q.new_empty(N, Hq, hd)
-        for u, (start, n) in enumerate(keys.unit_rows):
+        ones = [u for u, (_, n) in enumerate(keys.unit_rows) if n == 1]
+        if ones:  # the one-row units (decoding tokens): one batched call
+            ui = torch.tensor(ones, device=q.device)
+            ri = torch.tensor([keys.unit_rows[u][0] for u in ones], device=q.device)
+            o = F.scaled_dot_product_attention(q[ri][:, :, None, :], K[ui], V[ui], attn_mask=keys.valid[ui][:, None, None, :],
+                                               scale=a.scaling, enable_gqa=gqa)
+            out[ri] = o[:, :, 0]
+        multi = [u for u, (_, n) in enumerate(keys.unit_rows) if n > 1]
+        if not multi:
+            return out.reshape(N, Hq * hd)
+        tmax = max(keys.unit_rows[u][1] for u in multi)
+        if len(multi) * tmax <= 2 * sum(keys.unit_rows[u][1] for u in multi):
+            # prompts of similar lengths: one call, queries padded to the longest (padding rows masked out)
+            ui = torch.tensor(multi, device=q.device)
+            t = torch.arange(tmax, device=q.device)
+            starts = torch.tensor([keys.unit_rows[u][0] for u in multi], device=q.device)
+            ns = torch.tensor([keys.unit_rows[u][1] for u in multi], device=q.device)
+            real = t[None, :] < ns[:, None]  # [U2, tmax]
+            ri = (starts[:, None] + t[None, :]).clamp_max(N - 1)  # row of each (unit, query slot)
+            qpos = keys.qpos[ri]
+            mask = keys.valid[ui][:, None, :] & (keys.kpos[ui][:, None, :] <= qpos[:, :, None])  # [U2, tmax, L]
+            mask = mask | ~real[:, :, None]  # padded queries see everything (their output is dropped)
+            qb = q[ri].transpose(1, 2)  # [U2, Hq, tmax, hd]
+            o = F.scaled_dot_product_attention(qb, K[ui], V[ui], attn_mask=mask[:, None], scale=a.scaling, enable_gqa=gqa)
+            out[ri[real]] = o.transpose(1, 2)[real]
+            return out.reshape(N, Hq * hd)
+        for u in multi:  # prompts of very different lengths: one call each, causal inside
+            start, n = keys.unit_rows[u]
             qp = keys.qpos[start : start + n]
             mask = keys.valid[u][None, :] & (keys.kpos[u][None, :] <= qp[:, None])  # [n, L]
             qu = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, hd]
