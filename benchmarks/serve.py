@@ -20,7 +20,8 @@ configurations timed round-robin (``--repeats`` rounds, the minimum per configur
    useful tokens per second, ratio engine / static.
 4. ``fixed_vs_unrolled``: the engine at depth D vs the plain unrolled model — the base with its core layers
    repeated D times (the same weight tensors), HF ``generate`` with its own KV cache — same batch, prompts
-   and lengths.
+   and lengths. The same layer calls, not the same function: the looped model also runs its updater
+   between depths (a few % of a layer's FLOPs), so the tokens differ.
 
 Clocks: ``--clock cpu`` (default) is the process's CPU time (all threads): robust to other processes on
 a shared machine; ``--clock wall`` for an idle machine. Arrivals of the trace are on the same clock.
@@ -300,24 +301,18 @@ def main(argv=None) -> dict:
         unr = unrolled(base, fixed, D)
         ids = torch.tensor(plist)
         times = {"engine": [], "unrolled": []}
-        same = None
         for r in range(args.repeats + 1):
             t, _, _ = engine_run(fixed, [(pr, N) for pr in plist], B, D)
             times["engine"].append(t)
             with torch.no_grad():
                 c0 = clock()
-                out = unr.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
+                unr.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
                 times["unrolled"].append(clock() - c0)
-            if r == 0:
-                eng = Engine(fixed, None, max_seqs=B, kv_budget_bytes=budget, max_model_len=args.prompt + N + 1)
-                hs = [eng.add_request(pr, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), depth=D)
-                      for pr in plist[:4]]
-                eng.run_until_done()
-                same = all(h.output == out[j, args.prompt:].tolist() for j, h in enumerate(hs))
         te, tu = min(times["engine"][1:]), min(times["unrolled"][1:])
         result["fixed_vs_unrolled"] = {"batch": B, "prompt": args.prompt, "new_tokens": N, "depth": D,
                                        "time_engine_s": te, "time_unrolled_generate_s": tu, "time_ratio": te / tu,
-                                       "same_tokens": same}
+                                       "note": "same weights and layer calls; not the same function (the looped "
+                                               "model's updater re-injects the prelude output at every depth)"}
 
     result["wall_s"] = time.perf_counter() - t_start
     text = json.dumps(result, indent=2)
