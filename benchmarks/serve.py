@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import random
 import sys
@@ -49,14 +48,22 @@ def build(args):
     from retrofit import LoopConfig, convert
 
     cfg = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=2, pad_token_id=0, bos_token_id=1,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     base = LlamaForCausalLM(cfg).eval()
-    loop = dict(prelude=args.prelude, core=args.core, max_depth=args.max_depth)
+    loop = {"prelude": args.prelude, "core": args.core, "max_depth": args.max_depth}
     fixed = convert(base, LoopConfig(method="fixed", **loop)).eval()
     mixed = convert(base, LoopConfig(method="anira-e", **loop)).eval()
     g = torch.Generator().manual_seed(1)
@@ -152,8 +159,14 @@ def main(argv=None) -> dict:
 
     def engine_run(model, reqs, batch, depth=None, block_size=args.block_size, on_finish=None):
         """Serve ``reqs`` [(prompt, max_tokens)], all arriving at once; returns (time, per-position depths)."""
-        eng = Engine(model, None, max_seqs=batch, kv_budget_bytes=budget, block_size=block_size,
-                     max_model_len=max(len(pr) + n for pr, n in reqs) + 1)
+        eng = Engine(
+            model,
+            None,
+            max_seqs=batch,
+            kv_budget_bytes=budget,
+            block_size=block_size,
+            max_model_len=max(len(pr) + n for pr, n in reqs) + 1,
+        )
         if on_finish is not None:
             fin = eng._finish_seq
 
@@ -173,12 +186,27 @@ def main(argv=None) -> dict:
         depths = [d for h in hs for d in h.position_depths]
         return t, depths, eng
 
-    result = {"command": "python benchmarks/serve.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
-                        "vocab": args.vocab, "prelude": args.prelude, "core": args.core, "max_depth": D},
-              "setup": {"threads": args.threads, "clock": args.clock, "repeats": args.repeats,
-                        "load_avg_1m": os.getloadavg()[0], "torch": torch.__version__,
-                        "note": "shared machine: figures are ratios of runs interleaved in one process"}}
+    result = {
+        "command": "python benchmarks/serve.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": {
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "vocab": args.vocab,
+            "prelude": args.prelude,
+            "core": args.core,
+            "max_depth": D,
+        },
+        "setup": {
+            "threads": args.threads,
+            "clock": args.clock,
+            "repeats": args.repeats,
+            "load_avg_1m": os.getloadavg()[0],
+            "torch": torch.__version__,
+            "note": "shared machine: figures are ratios of runs interleaved in one process",
+        },
+    }
     t_start = time.perf_counter()
 
     # 1. mixed depths vs the FLOPs-proportional ideal --------------------------------------------
@@ -199,10 +227,21 @@ def main(argv=None) -> dict:
             cm = cost_report(mixed, torch.tensor(dep["mixed"]), readout=False)
             cD = cost_report(fixed, torch.tensor(dep["D"]), readout=False)
             ideal = tD * cm["flops"] / cD["flops"]
-            rows.append({"batch": B, "requests": n_req, "prompt": args.prompt, "new_tokens": n_new,
-                         "mean_depth": cm["mean_depth"], "time_mixed_s": tm, "time_D_s": tD,
-                         "flops_ratio_vs_D": cm["flops"] / cD["flops"], "time_ratio_vs_D": tm / tD,
-                         "ideal_time_s": ideal, "time_over_ideal": tm / ideal})
+            rows.append(
+                {
+                    "batch": B,
+                    "requests": n_req,
+                    "prompt": args.prompt,
+                    "new_tokens": n_new,
+                    "mean_depth": cm["mean_depth"],
+                    "time_mixed_s": tm,
+                    "time_D_s": tD,
+                    "flops_ratio_vs_D": cm["flops"] / cD["flops"],
+                    "time_ratio_vs_D": tm / tD,
+                    "ideal_time_s": ideal,
+                    "time_over_ideal": tm / ideal,
+                }
+            )
         result["mixed_depth"] = rows
 
     # 2. KV bytes: allocated vs executed -----------------------------------------------------------
@@ -223,8 +262,10 @@ def main(argv=None) -> dict:
             acc[name]["mean_depth"] = sum(d) / len(d)
         result["kv_bytes"] = {
             "block_size": args.block_size,
-            "core_alloc_bytes_mixed": acc["mixed"]["alloc"], "core_alloc_bytes_D": acc["D"]["alloc"],
-            "core_exec_bytes_mixed": acc["mixed"]["exec"], "core_exec_bytes_D": acc["D"]["exec"],
+            "core_alloc_bytes_mixed": acc["mixed"]["alloc"],
+            "core_alloc_bytes_D": acc["D"]["alloc"],
+            "core_exec_bytes_mixed": acc["mixed"]["exec"],
+            "core_exec_bytes_D": acc["D"]["exec"],
             "alloc_ratio_mixed_vs_D": acc["mixed"]["alloc"] / acc["D"]["alloc"],
             "executed_ratio_mixed_vs_D": acc["mixed"]["exec"] / acc["D"]["exec"],
             "alloc_over_executed_mixed": acc["mixed"]["alloc"] / acc["mixed"]["exec"],
@@ -241,19 +282,29 @@ def main(argv=None) -> dict:
         trace = []
         for _ in range(R):
             t += trng.expovariate(args.trace_rate)
-            trace.append((t, [trng.randrange(10, V) for _ in range(trng.randint(p_lo, p_hi))], trng.randint(a_lo, a_hi)))
+            trace.append(
+                (t, [trng.randrange(10, V) for _ in range(trng.randint(p_lo, p_hi))], trng.randint(a_lo, a_hi))
+            )
         useful = sum(n for _, _, n in trace)
 
         def run_engine():
-            eng = Engine(mixed, None, max_seqs=B, kv_budget_bytes=budget, block_size=args.block_size,
-                         max_model_len=p_hi + a_hi + 1)
+            eng = Engine(
+                mixed,
+                None,
+                max_seqs=B,
+                kv_budget_bytes=budget,
+                block_size=args.block_size,
+                max_model_len=p_hi + a_hi + 1,
+            )
             i = 0
             with torch.no_grad():
                 t0 = clock()
                 while i < R or eng.has_work():
                     now = clock() - t0
                     while i < R and trace[i][0] <= now:
-                        eng.add_request(trace[i][1], SamplingParams(temperature=0, max_tokens=trace[i][2], ignore_eos=True))
+                        eng.add_request(
+                            trace[i][1], SamplingParams(temperature=0, max_tokens=trace[i][2], ignore_eos=True)
+                        )
                         i += 1
                     if not eng.step() and i < R and not eng.has_work():
                         # idle until the next arrival (the clock must move: cpu time does not while sleeping)
@@ -272,12 +323,19 @@ def main(argv=None) -> dict:
                     ids = torch.zeros(len(batch), L, dtype=torch.long)
                     am = torch.zeros(len(batch), L, dtype=torch.long)
                     for j, (_, pr, _) in enumerate(batch):
-                        ids[j, L - len(pr):] = torch.tensor(pr)
-                        am[j, L - len(pr):] = 1
+                        ids[j, L - len(pr) :] = torch.tensor(pr)
+                        am[j, L - len(pr) :] = 1
                     n = max(k for _, _, k in batch)
                     c0 = clock()
-                    mixed.generate(ids, attention_mask=am, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                   pad_token_id=0, cache=DepthKVCache(mixed.config))
+                    mixed.generate(
+                        ids,
+                        attention_mask=am,
+                        max_new_tokens=n,
+                        min_new_tokens=n,
+                        do_sample=False,
+                        pad_token_id=0,
+                        cache=DepthKVCache(mixed.config),
+                    )
                     done = start + (clock() - c0)
             return done
 
@@ -286,10 +344,17 @@ def main(argv=None) -> dict:
             te.append(run_engine())
             ts.append(run_static())
         result["trace"] = {
-            "requests": R, "batch": B, "rate_per_s": args.trace_rate, "prompt_range": [p_lo, p_hi],
-            "answer_range": [a_lo, a_hi], "useful_tokens": useful, "last_arrival_s": trace[-1][0],
-            "engine_makespan_s": min(te), "static_makespan_s": min(ts),
-            "engine_tokens_per_s": useful / min(te), "static_tokens_per_s": useful / min(ts),
+            "requests": R,
+            "batch": B,
+            "rate_per_s": args.trace_rate,
+            "prompt_range": [p_lo, p_hi],
+            "answer_range": [a_lo, a_hi],
+            "useful_tokens": useful,
+            "last_arrival_s": trace[-1][0],
+            "engine_makespan_s": min(te),
+            "static_makespan_s": min(ts),
+            "engine_tokens_per_s": useful / min(te),
+            "static_tokens_per_s": useful / min(ts),
             "throughput_ratio": min(ts) / min(te),
         }
 
@@ -309,10 +374,17 @@ def main(argv=None) -> dict:
                 unr.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
                 times["unrolled"].append(clock() - c0)
         te, tu = min(times["engine"][1:]), min(times["unrolled"][1:])
-        result["fixed_vs_unrolled"] = {"batch": B, "prompt": args.prompt, "new_tokens": N, "depth": D,
-                                       "time_engine_s": te, "time_unrolled_generate_s": tu, "time_ratio": te / tu,
-                                       "note": "same weights and layer calls; not the same function (the looped "
-                                               "model's updater re-injects the prelude output at every depth)"}
+        result["fixed_vs_unrolled"] = {
+            "batch": B,
+            "prompt": args.prompt,
+            "new_tokens": N,
+            "depth": D,
+            "time_engine_s": te,
+            "time_unrolled_generate_s": tu,
+            "time_ratio": te / tu,
+            "note": "same weights and layer calls; not the same function (the looped "
+            "model's updater re-injects the prelude output at every depth)",
+        }
 
     result["wall_s"] = time.perf_counter() - t_start
     text = json.dumps(result, indent=2)

@@ -39,9 +39,10 @@ def looped(family="llama", method="fixed", split="whole", attention=None, max_de
 def reference(model, prompt: list[int], max_tokens: int, exit_kwargs: dict):
     """``generate`` on one request alone: (tokens, depths of the steps that produced them)."""
     ids = torch.tensor([prompt])
-    out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                         return_dict_in_generate=True, **exit_kwargs)
-    toks = out.sequences[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0, return_dict_in_generate=True, **exit_kwargs
+    )
+    toks = out.sequences[0, len(prompt) :].tolist()
     return toks, out.depths[0, : len(toks)].tolist()
 
 
@@ -56,8 +57,9 @@ def run_trace(model, requests, seed=0, max_seqs=3, **engine_kw):
         while pending and requests[pending[0]]["arrive"] <= step:
             i = pending.pop(0)
             r = requests[i]
-            handles[i] = eng.add_request(r["prompt"], SamplingParams(temperature=0, max_tokens=r["max_tokens"]),
-                                         **r["exit"])
+            handles[i] = eng.add_request(
+                r["prompt"], SamplingParams(temperature=0, max_tokens=r["max_tokens"]), **r["exit"]
+            )
         for i, r in enumerate(requests):
             if r.get("cancel") == step and i in handles:
                 eng.cancel(handles[i].request_id)
@@ -71,12 +73,14 @@ def random_requests(rng: random.Random, exits: list[dict], n: int = 7, cancel: i
     reqs = []
     for i in range(n):
         text = rng.choice(WORDS) + rng.choice(["", " again", "!?"])
-        reqs.append({
-            "prompt": TOK(text).input_ids,
-            "max_tokens": rng.randint(1, 9),
-            "exit": exits[i % len(exits)],
-            "arrive": rng.randint(0, 12),
-        })
+        reqs.append(
+            {
+                "prompt": TOK(text).input_ids,
+                "max_tokens": rng.randint(1, 9),
+                "exit": exits[i % len(exits)],
+                "arrive": rng.randint(0, 12),
+            }
+        )
     for i in rng.sample(range(n), cancel):
         reqs[i]["cancel"] = reqs[i]["arrive"] + rng.randint(1, 6)
     return reqs
@@ -129,8 +133,9 @@ def test_layer_runner_matches_the_layers_forward(family):
                 valid = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
                 keys = KeyList(idx, valid, torch.arange(T)[None].expand(T, T), [(i, 1) for i in range(T)], pos[0], True)
             else:  # one unit of T rows, causal inside
-                keys = KeyList(slots[None], torch.ones(1, T, dtype=torch.bool), torch.arange(T)[None], [(0, T)],
-                               pos[0], False)
+                keys = KeyList(
+                    slots[None], torch.ones(1, T, dtype=torch.bool), torch.arange(T)[None], [(0, T)], pos[0], False
+                )
             out = runner.run(layer, x[0], pe[0][0], pe[1][0], kp, vp, slots, keys)
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -149,8 +154,13 @@ EXITS = {
 }
 
 
-CONFIGS = [("llama", "tah2", "whole", 3), ("qwen3", "tah2", "middle", 2), ("llama", "anira-e", "middle", 1),
-           ("qwen3", "anira-o", "whole", 1), ("llama", "fixed", "middle", 2)]
+CONFIGS = [
+    ("llama", "tah2", "whole", 3),
+    ("qwen3", "tah2", "middle", 2),
+    ("llama", "anira-e", "middle", 1),
+    ("qwen3", "anira-o", "whole", 1),
+    ("llama", "fixed", "middle", 2),
+]
 
 
 @pytest.mark.parametrize("attention", ["duo-causal", "same-depth"])
@@ -247,8 +257,10 @@ def test_sampling_is_reproducible_per_seed_whatever_the_batch():
         return r.output
 
     eng = Engine(model, TOK, max_seqs=4, kv_budget_bytes=8 << 20)
-    others = [eng.add_request(TOK(w).input_ids, SamplingParams(temperature=1.0, max_tokens=5, seed=i))
-              for i, w in enumerate(WORDS[:3])]
+    others = [
+        eng.add_request(TOK(w).input_ids, SamplingParams(temperature=1.0, max_tokens=5, seed=i))
+        for i, w in enumerate(WORDS[:3])
+    ]
     r = eng.add_request(TOK("hello").input_ids, p)
     eng.run_until_done()
     assert r.output == alone() and len(r.output) == 8

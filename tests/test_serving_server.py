@@ -25,10 +25,10 @@ import torch
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from retrofit import LoopConfig, convert  # noqa: E402
-from retrofit.serving import Engine  # noqa: E402
-from retrofit.serving.server import create_app  # noqa: E402
-from retrofit.testing import char_tokenizer, tiny_base  # noqa: E402
+from retrofit import LoopConfig, convert
+from retrofit.serving import Engine
+from retrofit.serving.server import create_app
+from retrofit.testing import char_tokenizer, tiny_base
 
 TOK = char_tokenizer()
 NAME = "tiny-looped"
@@ -100,7 +100,7 @@ class Server:
 
 def reference(model, prompt_ids, n):
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +120,13 @@ def test_models_health_metrics(server):
     assert [m.id for m in c.models.list().data] == [NAME]
     assert server.raw("GET", "/health") == (200, b'{"status":"ok"}')
     m = server.metrics()
-    for k in ("retrofit_queue_length", "retrofit_tokens_per_second", "retrofit_mean_depth", "retrofit_kv_blocks_in_use",
-              "retrofit_running_requests"):
+    for k in (
+        "retrofit_queue_length",
+        "retrofit_tokens_per_second",
+        "retrofit_mean_depth",
+        "retrofit_kv_blocks_in_use",
+        "retrofit_running_requests",
+    ):
         assert k in m
 
 
@@ -131,10 +136,12 @@ def test_64_concurrent_clients_get_their_own_greedy_answers(server, model):
     for p in prompts:
         text = TOK.decode(reference(model, TOK(p).input_ids, 8), skip_special_tokens=True)
         want[p] = text
-    chat_prompt = TOK.apply_chat_template([{"role": "user", "content": "hey"}], add_generation_prompt=True,
-                                          tokenize=False)
-    chat_want = TOK.decode(reference(model, TOK(chat_prompt, add_special_tokens=False).input_ids, 8),
-                           skip_special_tokens=True)
+    chat_prompt = TOK.apply_chat_template(
+        [{"role": "user", "content": "hey"}], add_generation_prompt=True, tokenize=False
+    )
+    chat_want = TOK.decode(
+        reference(model, TOK(chat_prompt, add_special_tokens=False).input_ids, 8), skip_special_tokens=True
+    )
 
     async def main():
         c = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
@@ -142,8 +149,9 @@ def test_64_concurrent_clients_get_their_own_greedy_answers(server, model):
         async def one(i):
             p = prompts[i % len(prompts)]
             if i % 8 == 7:
-                r = await c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hey"}],
-                                                    max_tokens=8, temperature=0)
+                r = await c.chat.completions.create(
+                    model=NAME, messages=[{"role": "user", "content": "hey"}], max_tokens=8, temperature=0
+                )
                 return "chat", r.choices[0].message.content, r.usage
             if i % 4 == 1:
                 stream = await c.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0, stream=True)
@@ -153,8 +161,9 @@ def test_64_concurrent_clients_get_their_own_greedy_answers(server, model):
                         text += ch.choices[0].text
                     usage = getattr(ch, "usage", None) or usage
                 return p, text, usage
-            r = await c.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0,
-                                           extra_body={"top_k": 5})  # greedy: top_k changes nothing
+            r = await c.completions.create(
+                model=NAME, prompt=p, max_tokens=8, temperature=0, extra_body={"top_k": 5}
+            )  # greedy: top_k changes nothing
             return p, r.choices[0].text, r.usage
 
         res = await asyncio.gather(*(one(i) for i in range(64)))
@@ -173,11 +182,10 @@ def test_64_concurrent_clients_get_their_own_greedy_answers(server, model):
 
 def test_streaming_client_that_disconnects_frees_its_blocks(server):
     c = server.client()
-    stream = c.completions.create(model=NAME, prompt="hello", max_tokens=80, temperature=0, stream=True,
-                                  extra_body={"ignore_eos": True})
-    got = 0
-    for ch in stream:
-        got += 1
+    stream = c.completions.create(
+        model=NAME, prompt="hello", max_tokens=80, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    for got, _ in enumerate(stream, 1):
         if got == 2:
             break
     assert server.metrics()["retrofit_kv_blocks_in_use"] > 0  # still generating
@@ -239,10 +247,12 @@ def test_requests_wait_in_the_queue_when_the_kv_budget_is_full(model):
 
     eng.step = watched
     with Server(eng) as s:
+
         async def main():
             c = openai.AsyncOpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=300)
-            rs = await asyncio.gather(*(c.completions.create(model=NAME, prompt=f"hi {i}", max_tokens=30, temperature=0)
-                                        for i in range(4)))
+            rs = await asyncio.gather(
+                *(c.completions.create(model=NAME, prompt=f"hi {i}", max_tokens=30, temperature=0) for i in range(4))
+            )
             await c.close()
             return rs
 
@@ -257,9 +267,27 @@ def test_sigterm_shuts_down_an_export_folder_server_cleanly(tmp_path, model):
     folder = export_model(model, tmp_path / "export", tokenizer=TOK)
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "retrofit.cli", "serve", str(folder), "--port", str(port),
-                             "--served-model-name", NAME, "--max-model-len", "64", "--kv-budget-mb", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "retrofit.cli",
+            "serve",
+            str(folder),
+            "--port",
+            str(port),
+            "--served-model-name",
+            NAME,
+            "--max-model-len",
+            "64",
+            "--kv-budget-mb",
+            "4",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
     try:
         deadline = time.time() + 240
         while True:
@@ -284,3 +312,16 @@ def test_sigterm_shuts_down_an_export_folder_server_cleanly(tmp_path, model):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_base_model_is_served_at_depth_one():
+    from retrofit.serving.cli import load_for_serving
+
+    model, _ = load_for_serving("tiny-llama")
+    assert model.loop.max_depth == 1 and model.loop.prelude == 0
+    base = tiny_base("llama")
+    ids = torch.tensor([TOK("hello").input_ids])
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0),
+        base.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0),
+    )

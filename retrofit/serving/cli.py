@@ -26,8 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--depth", type=int, default=None, help="default fixed depth k for every token")
-    g.add_argument("--exit", choices=["decider", "kl", "state"], default=None,
-                   help="default exit rule (requests may override it): the decider, or a training-free exit")
+    g.add_argument(
+        "--exit",
+        choices=["decider", "kl", "state"],
+        default=None,
+        help="default exit rule (requests may override it): the decider, or a training-free exit",
+    )
     p.add_argument("--threshold", type=float, default=None, help="threshold of --exit kl/state")
     p.add_argument("--taps", action="store_true", help="TAPS step sizes by default")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -66,11 +70,23 @@ def run(args) -> int:
     if args.taps:
         default_exit["step_schedule"] = "taps"
     model, tok = load_for_serving(args.model)
-    engine = Engine(model, tok, max_seqs=args.max_batch, max_model_len=args.max_model_len,
-                    kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)), block_size=args.block_size,
-                    default_exit=default_exit)
+    engine = Engine(
+        model,
+        tok,
+        max_seqs=args.max_batch,
+        max_model_len=args.max_model_len,
+        kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
+        block_size=args.block_size,
+        default_exit=default_exit,
+    )
     name = args.served_model_name or args.model
-    logging.getLogger(__name__).info("serving %s on http://%s:%d (max batch %d, max depth %d)", name, args.host,
-                                     args.port, args.max_batch, model.loop.max_depth)
+    logging.getLogger(__name__).info(
+        "serving %s on http://%s:%d (max batch %d, max depth %d)",
+        name,
+        args.host,
+        args.port,
+        args.max_batch,
+        model.loop.max_depth,
+    )
     serve(engine, tok, name, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -31,8 +31,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -126,9 +126,19 @@ class Engine:
         eos_token_id: end-of-sequence id(s) (default: the model's generation config).
     """
 
-    def __init__(self, model, tokenizer=None, *, max_seqs: int = 32, max_model_len: int | None = None,
-                 kv_budget_bytes: int = 64 << 20, block_size: int = 16, max_rows: int | None = None,
-                 default_exit: dict | None = None, eos_token_id=None):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        max_seqs: int = 32,
+        max_model_len: int | None = None,
+        kv_budget_bytes: int = 64 << 20,
+        block_size: int = 16,
+        max_rows: int | None = None,
+        default_exit: dict | None = None,
+        eos_token_id=None,
+    ):
         from ..modeling import LoopedForCausalLM
 
         if not isinstance(model, LoopedForCausalLM):
@@ -182,8 +192,15 @@ class Engine:
             self._flops[ro] = ([0.0] + [r["flops"] for r in reps], reps[0]["flops_fixed"])
 
     # -- requests ----------------------------------------------------------------------------------
-    def add_request(self, prompt: list[int], params: SamplingParams | None = None, *, request_id: str | None = None,
-                    on_event: Callable[[dict], None] | None = None, **exit_kwargs) -> Request:
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        on_event: Callable[[dict], None] | None = None,
+        **exit_kwargs,
+    ) -> Request:
         """Queue a request; returns it (``request.done`` is set when it ends).
 
         Args:
@@ -208,7 +225,9 @@ class Engine:
                 f"prompt ({P} tokens) + max_tokens ({params.max_tokens}) = {P + params.max_tokens} exceeds the context "
                 f"of {self.max_len} tokens; shorten the prompt or lower max_tokens"
             )
-        spec = self.adapter.spec(**exit_kwargs) if any(v is not None for v in exit_kwargs.values()) else self.default_spec
+        spec = (
+            self.adapter.spec(**exit_kwargs) if any(v is not None for v in exit_kwargs.values()) else self.default_spec
+        )
         need = self.kv.worst_case(P + params.max_tokens, self.adapter.needs_readout(spec))
         if not self.kv.fits_ever(need):
             raise KVBudgetError(
@@ -335,7 +354,8 @@ class Engine:
             "total_tokens": len(req.prompt) + n_gen,
             "mean_depth": (sum(req.depths) / len(req.depths)) if req.depths else None,
             "prompt_mean_depth": (sum(req.position_depths[: len(req.prompt)]) / len(req.prompt))
-            if len(req.position_depths) >= len(req.prompt) else None,
+            if len(req.position_depths) >= len(req.prompt)
+            else None,
             "flops": flops,
             "flops_vs_fixed_depth": flops / (n_pos * fixed) if n_pos else None,
         }
@@ -380,12 +400,26 @@ class Engine:
             s = torch.tensor([g.seq.slot for g in groups for _ in g.rows], device=dev)
             zero = torch.zeros_like(s)
             unit_rows, single = self._units([g.rows for g in groups])
-            slots = self.kv.dense_write(self.kv.pre, s, zero, pos, [g.seq.slot for g in groups], [0] * len(groups),
-                                        [g.positions[-1] + 1 for g in groups])
+            slots = self.kv.dense_write(
+                self.kv.pre,
+                s,
+                zero,
+                pos,
+                [g.seq.slot for g in groups],
+                [0] * len(groups),
+                [g.positions[-1] + 1 for g in groups],
+            )
             qmax = [g.positions[-1] for g in groups]
-            keys = self.kv.dense_keys(self.kv.pre, torch.tensor([g.seq.slot for g in groups], device=dev),
-                                      torch.zeros(len(groups), dtype=torch.long, device=dev),
-                                      torch.tensor(qmax, device=dev), max(qmax) + 1, unit_rows, pos, single)
+            keys = self.kv.dense_keys(
+                self.kv.pre,
+                torch.tensor([g.seq.slot for g in groups], device=dev),
+                torch.zeros(len(groups), dtype=torch.long, device=dev),
+                torch.tensor(qmax, device=dev),
+                max(qmax) + 1,
+                unit_rows,
+                pos,
+                single,
+            )
             pool = self.kv.pools["pre"]
             for layer in self.model.prelude_layers:
                 li = layer.self_attn.layer_idx
@@ -489,13 +523,17 @@ class Engine:
 
         # TaH2: the output combination of each request's last token
         if self.adapter.output_from_readout:
-            last_idx = [start + n - 1 for g, (start, n) in zip(groups, unit_rows)
-                        if n and g.active[-1] and run_gi[start + n - 1] == len(g.rows) - 1]
+            last_idx = [
+                start + n - 1
+                for g, (start, n) in zip(groups, unit_rows)
+                if n and g.active[-1] and run_gi[start + n - 1] == len(g.rows) - 1
+            ]
             if last_idx:
                 li_t = torch.tensor(last_idx, device=dev)
                 sig = signal[li_t]
-                self.adapter.combine_add(s_t[li_t], d_t[li_t], z[zpos[li_t]], stop[li_t],
-                                         None if bool(torch.isnan(sig).all()) else sig)
+                self.adapter.combine_add(
+                    s_t[li_t], d_t[li_t], z[zpos[li_t]], stop[li_t], None if bool(torch.isnan(sig).all()) else sig
+                )
 
         # -- bookkeeping: exits, finished steps, sampling ------------------------------------------
         cont_py = cont.tolist()
@@ -546,9 +584,16 @@ class Engine:
             ends = [g.positions[-1] + 1 for g, _ in cu]
             slots = self.kv.dense_write(self.kv.coda, s, jt, pos, [g.seq.slot for g, _ in cu], [j for _, j in cu], ends)
             qmax = [e - 1 for e in ends]
-            keys = self.kv.dense_keys(self.kv.coda, torch.tensor([g.seq.slot for g, _ in cu], device=dev),
-                                      torch.tensor([j for _, j in cu], device=dev), torch.tensor(qmax, device=dev),
-                                      max(qmax) + 1, unit_rows_c, pos, single)
+            keys = self.kv.dense_keys(
+                self.kv.coda,
+                torch.tensor([g.seq.slot for g, _ in cu], device=dev),
+                torch.tensor([j for _, j in cu], device=dev),
+                torch.tensor(qmax, device=dev),
+                max(qmax) + 1,
+                unit_rows_c,
+                pos,
+                single,
+            )
             pool = self.kv.pools["coda"]
             for layer in model.coda_layers:
                 li = layer.self_attn.layer_idx
@@ -585,11 +630,20 @@ class Engine:
                 unit_rows, single = self._units([g.rows for g in finished])
                 ends = [g.positions[-1] + 1 for g in finished]
                 zero = torch.zeros_like(s)
-                slots = self.kv.dense_write(self.kv.coda, s, zero, pos, [g.seq.slot for g in finished],
-                                            [0] * len(finished), ends)
+                slots = self.kv.dense_write(
+                    self.kv.coda, s, zero, pos, [g.seq.slot for g in finished], [0] * len(finished), ends
+                )
                 qmax = [e - 1 for e in ends]
-                keys = self.kv.dense_keys(self.kv.coda, seqs, torch.zeros_like(seqs), torch.tensor(qmax, device=dev),
-                                          max(qmax) + 1, unit_rows, pos, single)
+                keys = self.kv.dense_keys(
+                    self.kv.coda,
+                    seqs,
+                    torch.zeros_like(seqs),
+                    torch.tensor(qmax, device=dev),
+                    max(qmax) + 1,
+                    unit_rows,
+                    pos,
+                    single,
+                )
                 pool = self.kv.pools["coda"]
                 for layer in model.coda_layers:
                     li = layer.self_attn.layer_idx

@@ -84,7 +84,9 @@ class StreamTable:
         self.pool = pool
         self.bs = pool.block_size
         self.n_streams = n_streams
-        self.blocktab = torch.zeros(max_seqs, n_streams, math.ceil(max_len / self.bs) + 1, dtype=torch.long, device=device)
+        self.blocktab = torch.zeros(
+            max_seqs, n_streams, math.ceil(max_len / self.bs) + 1, dtype=torch.long, device=device
+        )
         self.blocks: list[list[list[int]]] = [[[] for _ in range(n_streams)] for _ in range(max_seqs)]
 
     def ensure(self, s: int, j: int, n_entries: int) -> None:
@@ -129,8 +131,9 @@ class PagedKV:
             a coda).
     """
 
-    def __init__(self, model, budget_bytes: int, max_seqs: int, max_len: int, block_size: int = 16,
-                 readout_coda: bool = True):
+    def __init__(
+        self, model, budget_bytes: int, max_seqs: int, max_len: int, block_size: int = 16, readout_coda: bool = True
+    ):
         cfg = model.config
         dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         pre, core, coda = model._ranges
@@ -212,25 +215,50 @@ class PagedKV:
         return 0 if t is None else t.blocks_of(s)
 
     # -- dense streams (one entry per position) -----------------------------------------------------
-    def dense_write(self, table: StreamTable, s: torch.Tensor, j: torch.Tensor, pos: torch.Tensor,
-                    s_py: list[int], j_py: list[int], end_py: list[int]) -> torch.Tensor:
+    def dense_write(
+        self,
+        table: StreamTable,
+        s: torch.Tensor,
+        j: torch.Tensor,
+        pos: torch.Tensor,
+        s_py: list[int],
+        j_py: list[int],
+        end_py: list[int],
+    ) -> torch.Tensor:
         """Slots of the entries at positions ``pos`` ``[N]`` of streams ``(s, j)``; allocates blocks up to
         ``end_py`` (exclusive) per distinct ``(s, j)`` given in the Python lists."""
         for si, ji, e in zip(s_py, j_py, end_py):
             table.ensure(si, ji, e)
         return table.slots(s, j, pos)
 
-    def dense_keys(self, table: StreamTable, unit_s: torch.Tensor, unit_j: torch.Tensor, unit_qmax: torch.Tensor,
-                   lmax: int, unit_rows, qpos, single) -> KeyList:
+    def dense_keys(
+        self,
+        table: StreamTable,
+        unit_s: torch.Tensor,
+        unit_j: torch.Tensor,
+        unit_qmax: torch.Tensor,
+        lmax: int,
+        unit_rows,
+        qpos,
+        single,
+    ) -> KeyList:
         """Keys of units reading positions ``0 … qmax`` of their stream."""
         k = torch.arange(lmax, device=self.device)
         idx = table.slots(unit_s[:, None], unit_j[:, None], k[None, :])
         valid = k[None, :] <= unit_qmax[:, None]
-        return KeyList(idx=idx, valid=valid, kpos=k[None, :].expand_as(idx), unit_rows=unit_rows, qpos=qpos, single=single)
+        return KeyList(
+            idx=idx, valid=valid, kpos=k[None, :].expand_as(idx), unit_rows=unit_rows, qpos=qpos, single=single
+        )
 
     # -- core streams ------------------------------------------------------------------------------
-    def core_write(self, groups: list[tuple[int, int, int]], s: torch.Tensor, d: torch.Tensor, rank: torch.Tensor,
-                   pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def core_write(
+        self,
+        groups: list[tuple[int, int, int]],
+        s: torch.Tensor,
+        d: torch.Tensor,
+        rank: torch.Tensor,
+        pos: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append entries for the rows running a depth this step.
 
         Args:
@@ -254,8 +282,9 @@ class PagedKV:
         """Entries ``k`` of ``core[d]`` of sequences ``s`` are their tokens' exit depth."""
         self.last[s, d, k] = True
 
-    def core_keys(self, unit_s: torch.Tensor, unit_m: torch.Tensor, unit_qmax: torch.Tensor, unit_rows, qpos,
-                  single: bool) -> KeyList:
+    def core_keys(
+        self, unit_s: torch.Tensor, unit_m: torch.Tensor, unit_qmax: torch.Tensor, unit_rows, qpos, single: bool
+    ) -> KeyList:
         """Keys of query units (sequence ``s``, depth ``m``, rows up to position ``qmax``), after this step's
         ``core_write`` (so a row sees its own new entry)."""
         D = self.D
@@ -280,5 +309,11 @@ class PagedKV:
         # compact each unit's visible keys to the front (stable: keeps depth-major order)
         order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices[:, :L]
         idx = slots.reshape(U, -1).gather(1, order)
-        return KeyList(idx=idx, valid=valid.gather(1, order), kpos=kpos.reshape(U, -1).gather(1, order),
-                       unit_rows=unit_rows, qpos=qpos, single=single)
+        return KeyList(
+            idx=idx,
+            valid=valid.gather(1, order),
+            kpos=kpos.reshape(U, -1).gather(1, order),
+            unit_rows=unit_rows,
+            qpos=qpos,
+            single=single,
+        )

@@ -16,8 +16,8 @@ layer's own ``forward`` for both families.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,15 +111,23 @@ class LayerRunner:
         gqa = kvh != Hq
         if keys.single:
             mask = keys.valid[:, None, None, :]
-            out = F.scaled_dot_product_attention(q[:, :, None, :], K, V, attn_mask=mask, scale=a.scaling, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :], K, V, attn_mask=mask, scale=a.scaling, enable_gqa=gqa
+            )
             return out.reshape(N, Hq * hd)
         out = q.new_empty(N, Hq, hd)
         ones = [u for u, (_, n) in enumerate(keys.unit_rows) if n == 1]
         if ones:  # the one-row units (decoding tokens): one batched call
             ui = torch.tensor(ones, device=q.device)
             ri = torch.tensor([keys.unit_rows[u][0] for u in ones], device=q.device)
-            o = F.scaled_dot_product_attention(q[ri][:, :, None, :], K[ui], V[ui], attn_mask=keys.valid[ui][:, None, None, :],
-                                               scale=a.scaling, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                q[ri][:, :, None, :],
+                K[ui],
+                V[ui],
+                attn_mask=keys.valid[ui][:, None, None, :],
+                scale=a.scaling,
+                enable_gqa=gqa,
+            )
             out[ri] = o[:, :, 0]
         multi = [u for u, (_, n) in enumerate(keys.unit_rows) if n > 1]
         if not multi:
@@ -137,7 +145,9 @@ class LayerRunner:
             mask = keys.valid[ui][:, None, :] & (keys.kpos[ui][:, None, :] <= qpos[:, :, None])  # [U2, tmax, L]
             mask = mask | ~real[:, :, None]  # padded queries see everything (their output is dropped)
             qb = q[ri].transpose(1, 2)  # [U2, Hq, tmax, hd]
-            o = F.scaled_dot_product_attention(qb, K[ui], V[ui], attn_mask=mask[:, None], scale=a.scaling, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qb, K[ui], V[ui], attn_mask=mask[:, None], scale=a.scaling, enable_gqa=gqa
+            )
             out[ri[real]] = o.transpose(1, 2)[real]
             return out.reshape(N, Hq * hd)
         for u in multi:  # prompts of very different lengths: one call each, causal inside
@@ -145,8 +155,9 @@ class LayerRunner:
             qp = keys.qpos[start : start + n]
             mask = keys.valid[u][None, :] & (keys.kpos[u][None, :] <= qp[:, None])  # [n, L]
             qu = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, hd]
-            o = F.scaled_dot_product_attention(qu, K[u : u + 1], V[u : u + 1], attn_mask=mask[None, None],
-                                               scale=a.scaling, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qu, K[u : u + 1], V[u : u + 1], attn_mask=mask[None, None], scale=a.scaling, enable_gqa=gqa
+            )
             out[start : start + n] = o[0].transpose(0, 1)
         return out.reshape(N, Hq * hd)
 

@@ -136,8 +136,14 @@ class MethodAdapter:
         x = self.model.updater(e, h)
         return torch.where(first[:, None], e, x) if any_first else x
 
-    def relax(self, rows: torch.Tensor, depth: torch.Tensor, h_prev: torch.Tensor, raw: torch.Tensor,
-              taps_rows: torch.Tensor | None) -> torch.Tensor:
+    def relax(
+        self,
+        rows: torch.Tensor,
+        depth: torch.Tensor,
+        h_prev: torch.Tensor,
+        raw: torch.Tensor,
+        taps_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The state after this depth: ``raw`` (unit step), or the TAPS step for rows in ``taps_rows``
         (a bool ``[n]``), one call per depth since TAPS' statistics depend on the depth."""
         if taps_rows is None or not bool(taps_rows.any()):
@@ -149,8 +155,15 @@ class MethodAdapter:
         return out
 
     # -- decisions -------------------------------------------------------------------------------------
-    def decide(self, rows: torch.Tensor, depth: torch.Tensor, e: torch.Tensor, h: torch.Tensor,
-               z: torch.Tensor | None, spec: ExitSpec):
+    def decide(
+        self,
+        rows: torch.Tensor,
+        depth: torch.Tensor,
+        e: torch.Tensor,
+        h: torch.Tensor,
+        z: torch.Tensor | None,
+        spec: ExitSpec,
+    ):
         """Who continues after this depth, for rows of one exit spec.
 
         Args:
@@ -215,8 +228,9 @@ class MethodAdapter:
             }
         return self._mix
 
-    def combine_add(self, seqs: torch.Tensor, depth: torch.Tensor, z: torch.Tensor, stop: torch.Tensor,
-                    signal: torch.Tensor | None) -> None:
+    def combine_add(
+        self, seqs: torch.Tensor, depth: torch.Tensor, z: torch.Tensor, stop: torch.Tensor, signal: torch.Tensor | None
+    ) -> None:
         """Depth ``depth`` of each sequence's last token: logits ``z`` ``[n, V]``, ``stop`` ``[n]`` (exits
         here), ``signal`` ``[n]`` TaH2's continue probability (None at ``D``, or NaN where not decided)."""
         st = self._mix_state(z.dtype)

@@ -78,9 +78,11 @@ def _metrics_registry(engine: Engine):
                 g = GaugeMetricFamily(f"retrofit_{name}", doc)
                 g.add_metric([], float(value))
                 yield g
-            for name, doc, value in (("generated_tokens", "tokens generated", m["tokens_total"]),
-                                     ("requests_finished", "requests finished", m["requests_finished"]),
-                                     ("engine_steps", "engine steps", m["steps_total"])):
+            for name, doc, value in (
+                ("generated_tokens", "tokens generated", m["tokens_total"]),
+                ("requests_finished", "requests finished", m["requests_finished"]),
+                ("engine_steps", "engine steps", m["steps_total"]),
+            ):
                 c = CounterMetricFamily(f"retrofit_{name}", doc)
                 c.add_metric([], float(value))
                 yield c
@@ -119,8 +121,9 @@ def create_app(engine: Engine, tokenizer, model_name: str):
 
     @app.exception_handler(405)
     async def _not_allowed(request, exc):
-        return JSONResponse(_error_body(405, f"method {request.method} not allowed on {request.url.path}"),
-                            status_code=405)
+        return JSONResponse(
+            _error_body(405, f"method {request.method} not allowed on {request.url.path}"), status_code=405
+        )
 
     @app.get("/health")
     async def health():
@@ -128,8 +131,18 @@ def create_app(engine: Engine, tokenizer, model_name: str):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "retrofit", "max_model_len": engine.max_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "retrofit",
+                    "max_model_len": engine.max_len,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -140,13 +153,19 @@ def create_app(engine: Engine, tokenizer, model_name: str):
             raise APIError(400, "the request body must be a JSON object")
         model = body.get("model")
         if model != model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
+            raise APIError(
+                404, f"model {model!r} does not exist; this server serves {model_name!r}", "model", "model_not_found"
+            )
         if chat:
             msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs or not all(
+            if (
+                not isinstance(msgs, list)
+                or not msgs
+                or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in msgs):
+                    for m in msgs
+                )
+            ):
                 raise APIError(400, "'messages' must be a non-empty list of {role: str, content: str}", "messages")
             if getattr(tokenizer, "chat_template", None) is None:
                 raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
@@ -163,15 +182,22 @@ def create_app(engine: Engine, tokenizer, model_name: str):
             raise APIError(400, "the prompt is empty", "prompt" if not chat else "messages")
         P = len(ids)
         if P >= engine.max_len:
-            raise APIError(400, f"the prompt has {P} tokens but the context is {engine.max_len} tokens "
-                                f"(prompt + max_tokens must fit)", "prompt" if not chat else "messages",
-                           "context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {P} tokens but the context is {engine.max_len} tokens (prompt + max_tokens must fit)",
+                "prompt" if not chat else "messages",
+                "context_length_exceeded",
+            )
         key = "max_completion_tokens" if (chat and body.get("max_completion_tokens") is not None) else "max_tokens"
         default_max = (engine.max_len - P) if chat else 16
         max_tokens = _number(body, key, default_max, int, lo=1)
         if P + max_tokens > engine.max_len:
-            raise APIError(400, f"prompt ({P} tokens) + {key} ({max_tokens}) exceeds the context of "
-                                f"{engine.max_len} tokens", key, "context_length_exceeded")
+            raise APIError(
+                400,
+                f"prompt ({P} tokens) + {key} ({max_tokens}) exceeds the context of {engine.max_len} tokens",
+                key,
+                "context_length_exceeded",
+            )
         if _number(body, "n", 1, int, lo=1) != 1:
             raise APIError(400, "only n = 1 is supported", "n")
         stop = body.get("stop")
@@ -212,8 +238,13 @@ def create_app(engine: Engine, tokenizer, model_name: str):
         queue: asyncio.Queue = asyncio.Queue()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
-            req = engine.add_request(ids, params, request_id=rid,
-                                     on_event=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), **exit_kw)
+            req = engine.add_request(
+                ids,
+                params,
+                request_id=rid,
+                on_event=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
+                **exit_kw,
+            )
         except KVBudgetError as e:
             raise APIError(400, str(e)) from None
         except (ValueError, TypeError) as e:
@@ -229,6 +260,7 @@ def create_app(engine: Engine, tokenizer, model_name: str):
             return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
 
         if stream:
+
             async def events():
                 finished = False
                 try:
@@ -237,22 +269,42 @@ def create_app(engine: Engine, tokenizer, model_name: str):
                         if ev["type"] == "token":
                             if not ev["text"]:
                                 continue
-                            chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": now,
-                                     "model": model_name, "choices": [choice(ev["text"], None, True)]}
+                            chunk = {
+                                "id": rid,
+                                "object": obj + (".chunk" if chat else ""),
+                                "created": now,
+                                "model": model_name,
+                                "choices": [choice(ev["text"], None, True)],
+                            }
                         else:
                             finished = True
                             reason = ev["reason"]
                             if reason == "error":
-                                yield "data: " + json.dumps(_error_body(500, "the engine failed on this request")) + "\n\n"
+                                yield (
+                                    "data: "
+                                    + json.dumps(_error_body(500, "the engine failed on this request"))
+                                    + "\n\n"
+                                )
                                 break
-                            chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": now,
-                                     "model": model_name, "choices": [choice("" if not chat else None, reason, True)]}
+                            chunk = {
+                                "id": rid,
+                                "object": obj + (".chunk" if chat else ""),
+                                "created": now,
+                                "model": model_name,
+                                "choices": [choice("" if not chat else None, reason, True)],
+                            }
                             if not include_usage:
                                 chunk["usage"] = ev["usage"]
                             yield "data: " + json.dumps(chunk) + "\n\n"
                             if include_usage:
-                                u = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": now,
-                                     "model": model_name, "choices": [], "usage": ev["usage"]}
+                                u = {
+                                    "id": rid,
+                                    "object": obj + (".chunk" if chat else ""),
+                                    "created": now,
+                                    "model": model_name,
+                                    "choices": [],
+                                    "usage": ev["usage"],
+                                }
                                 yield "data: " + json.dumps(u) + "\n\n"
                             yield "data: [DONE]\n\n"
                             break
@@ -261,14 +313,15 @@ def create_app(engine: Engine, tokenizer, model_name: str):
                     if not finished:  # the client went away: free the request's rows and KV blocks
                         engine.cancel(rid)
 
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            return StreamingResponse(
+                events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": rid}
+            )
 
         try:
             while True:
                 try:
                     ev = await asyncio.wait_for(queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if await request.is_disconnected():
                         engine.cancel(rid)
                         return Response(status_code=499)
@@ -280,8 +333,14 @@ def create_app(engine: Engine, tokenizer, model_name: str):
             raise
         if ev["reason"] == "error":
             raise APIError(500, "the engine failed on this request")
-        return {"id": rid, "object": obj, "created": now, "model": model_name,
-                "choices": [choice(req.text, ev["reason"], False)], "usage": ev["usage"]}
+        return {
+            "id": rid,
+            "object": obj,
+            "created": now,
+            "model": model_name,
+            "choices": [choice(req.text, ev["reason"], False)],
+            "usage": ev["usage"],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -294,8 +353,9 @@ def create_app(engine: Engine, tokenizer, model_name: str):
     return app
 
 
-def serve(engine: Engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> None:
+def serve(
+    engine: Engine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+) -> None:
     """Run the server until SIGTERM/SIGINT: uvicorn shuts down gracefully, then the engine stops."""
     import uvicorn
 
