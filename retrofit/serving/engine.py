@@ -205,7 +205,7 @@ class Engine:
 
         Args:
             prompt: prompt token ids (non-empty).
-            params: sampling parameters (default: greedy? no: ``SamplingParams()``, temperature 1).
+            params: sampling parameters (default ``SamplingParams()``: temperature 1, 16 tokens).
             exit_kwargs: ``exit_policy``, ``exit_threshold``, ``depth``, ``step_schedule`` (as ``generate``);
                 none given: the engine's ``default_exit``.
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..halting.training_free import ExitPolicy, resolve_exit_policy
-from ..schedulers import TAPS, UnitStep, build_step_schedule
+from ..schedulers import TAPS, build_step_schedule
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ class MethodAdapter:
         # a token that exits at depth 1 returns its raw depth-1 logits (the shifted log-mixture equals
         # them only up to rounding)
         st["z_exit"][seqs[first]] = z[first]
-        st["first"][seqs] = st["first"][seqs] & False
+        st["first"][seqs] = False
         st["first"][seqs[first & stop]] = True
         if c is not None:
             st["survive"][seqs] = torch.where(torch.isnan(c), survive, survive * c)
@@ -267,8 +267,4 @@ class MethodAdapter:
         return torch.where(st["first"][seqs][:, None], st["z_exit"][seqs], mixed)
 
 
-def is_unit(spec: ExitSpec) -> bool:
-    return spec.schedule == "unit"
-
-
-__all__ = ["ExitSpec", "MethodAdapter", "UnitStep", "is_unit"]
+__all__ = ["ExitSpec", "MethodAdapter"]
