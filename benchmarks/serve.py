@@ -128,6 +128,7 @@ def main(argv=None) -> dict:
     p.add_argument("--trace-answer", default="4,48", help="answer length range (uniform)")
     p.add_argument("--unrolled-batch", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-budget-mb", type=int, default=1024, help="KV budget of each engine (batch 256 needs ~1 GiB)")
     p.add_argument("--repeats", type=int, default=2, help="timing rounds (minimum per configuration)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--decider-scale", type=float, default=1.0)
@@ -152,7 +153,7 @@ def main(argv=None) -> dict:
     D = args.max_depth
     rng = random.Random(0)
     V = args.vocab
-    budget = 1 << 30
+    budget = args.kv_budget_mb << 20
 
     def prompts(n, length):
         return [[rng.randrange(10, V) for _ in range(length)] for _ in range(n)]
