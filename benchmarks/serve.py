@@ -121,6 +121,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens (mixed-depth and unrolled figures)")
     p.add_argument("--new-tokens", type=int, default=16, help="answer tokens (mixed-depth and unrolled figures)")
     p.add_argument("--large-new-tokens", type=int, default=6, help="answer tokens at batch >= 128")
+    p.add_argument("--waves", type=int, default=2, help="requests = waves × batch for batch < 128 (keeps the batch full)")
     p.add_argument("--trace-requests", type=int, default=96)
     p.add_argument("--trace-batch", type=int, default=16)
     p.add_argument("--trace-rate", type=float, default=40.0, help="Poisson arrival rate (requests per clock second)")
@@ -215,7 +216,7 @@ def main(argv=None) -> dict:
         rows = []
         for B in [int(b) for b in args.batches.split(",")]:
             n_new = args.large_new_tokens if B >= 128 else args.new_tokens
-            n_req = 2 * B if B < 128 else B
+            n_req = args.waves * B if B < 128 else B
             reqs = list(zip(prompts(n_req, args.prompt), [n_new] * n_req))
             times = {"mixed": [], "D": []}
             dep = {}
