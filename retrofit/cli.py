@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("retrofit.cli_generate", "generate text with per-token adaptive depth; show each token's exit depth"),
     "eval": ("retrofit.evaluation.runner", "complexity-controlled evaluation: accuracy and depth per difficulty level"),
     "bench": ("retrofit.cli_bench", "run the speed/memory benchmarks and print JSON"),
+    "serve": ("retrofit.serving.cli", "OpenAI-compatible server with continuous depth-wise batching (FastAPI + uvicorn)"),
     "params": ("retrofit.cli_params", "report the heads' parameter share at real model shapes (meta device)"),
 }
 
