@@ -160,6 +160,7 @@ def build_splits(
     train_levels=None,
     interp_levels=None,
     extrap_levels=None,
+    n_valid: int = 0,
 ) -> datasets.DatasetDict:
     """Builds train and evaluation splits with held-out difficulty levels.
 
@@ -180,6 +181,9 @@ def build_splits(
         train_levels: Defaults to ``task.default_train_levels``.
         interp_levels: Defaults to ``task.interp_levels``; pass ``[]`` to omit the split.
         extrap_levels: Defaults to ``task.extrap_levels``; pass ``[]`` to omit the split.
+        n_valid: Validation rows per level (train, interp and extrap levels) in a ``valid`` split, drawn
+            after the eval splits and disjoint from all of them: settings are chosen on ``valid`` and
+            reported on the eval splits. 0 omits the split.
 
     Returns:
         A DatasetDict.
@@ -217,4 +221,9 @@ def build_splits(
         for level in levels:
             rows.extend(_fresh_rows(task, level, n_eval, seed, split, seen))
         splits[split] = rows_to_dataset(task, rows)
+    if n_valid > 0:
+        rows = []
+        for level in [*train_levels, *interp_levels, *extrap_levels]:
+            rows.extend(_fresh_rows(task, level, n_valid, seed, "valid", seen))
+        splits["valid"] = rows_to_dataset(task, rows)
     return datasets.DatasetDict(splits)

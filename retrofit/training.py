@@ -162,8 +162,13 @@ class RetrofitSFTConfig(SFTConfig):
 # ------------------------------------------------------------------------------------------------
 # Data
 # ------------------------------------------------------------------------------------------------
-def format_sft_dataset(dataset, chat: bool = False, completion_column: str | None = None):
+def format_sft_dataset(dataset, chat: bool = False, completion_column: str | None = None, answer_sep: str = " "):
     """Validate rows and turn them into TRL prompt/completion rows.
+
+    Raw (non-chat) rows are trained as ``prompt + answer_sep + answer`` when the target comes from an
+    ``answer`` column — the text ``retrofit eval`` and ``retrofit lm-eval`` score (their answer separator
+    is the same single space) — and as ``prompt + completion`` when a ``completion`` column gives the
+    literal continuation. No separator is added after a prompt that already ends in whitespace.
 
     Args:
         dataset: a ``datasets.Dataset`` with a ``prompt`` column and a ``completion`` or ``answer``
@@ -171,6 +176,8 @@ def format_sft_dataset(dataset, chat: bool = False, completion_column: str | Non
         chat: make conversational rows (``[{"role": "user", ...}]`` / ``[{"role": "assistant", ...}]``)
             for a tokenizer with a chat template; else plain strings (TRL appends EOS).
         completion_column: which column holds the target; default ``completion``, else ``answer``.
+        answer_sep: text between a raw prompt and an ``answer`` (ignored with ``chat`` or a
+            ``completion`` column).
 
     Returns:
         ``(dataset, report)``: the formatted dataset (other columns kept) and a dict of counts
@@ -213,11 +220,13 @@ def format_sft_dataset(dataset, chat: bool = False, completion_column: str | Non
         keep = [i for i, k in enumerate(kinds) if k == "ok"]
         dataset = dataset.select(keep)
 
+    sep = answer_sep if completion_column != "completion" else ""
+
     def to_row(ex):
         p, c = ex["prompt"], ex[completion_column]
         if chat:
             return {"prompt": [{"role": "user", "content": p}], "completion": [{"role": "assistant", "content": c}]}
-        return {"prompt": p, "completion": c}
+        return {"prompt": p, "completion": c if (not p or p[-1].isspace()) else sep + c}
 
     drop = [completion_column] if completion_column != "completion" else []
     if chat:
