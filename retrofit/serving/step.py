@@ -156,6 +156,13 @@ class StepExecution:
             if g.m < D and n:
                 by_spec.setdefault(g.seq.req.spec, []).extend(range(start, start + n))
         for spec, idx_py in by_spec.items():
+            if len(idx_py) == N:  # one spec, every row below depth D (common): no gathers of the step's rows
+                zi = z[zpos] if (z is not None and self.adapter.needs_readout(spec)) else None
+                c, sig = self.adapter.decide(rows_t, d_t, e, h_new, zi, spec)
+                cont.copy_(c)
+                if sig is not None:
+                    signal.copy_(sig.float())
+                continue
             idx = torch.tensor(idx_py, device=dev)
             zi = z[zpos[idx]] if (z is not None and self.adapter.needs_readout(spec)) else None
             c, sig = self.adapter.decide(rows_t[idx], d_t[idx], e[idx], h_new[idx], zi, spec)
