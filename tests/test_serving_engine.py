@@ -16,7 +16,7 @@ import torch
 
 from retrofit import LoopConfig, convert
 from retrofit.serving import Engine, SamplingParams
-from retrofit.serving.layers import KeyList, LayerRunner, layer_ops_for
+from retrofit.serving.layers import LAYER_OPS, KeyList, LayerRunner, layer_ops_for
 from retrofit.testing import char_tokenizer, tiny_base
 
 SPLITS = {"whole": {"prelude": 0, "core": None}, "middle": {"prelude": 1, "core": 3}}
@@ -138,6 +138,46 @@ def test_layer_runner_matches_the_layers_forward(family):
                 )
             out = runner.run(layer, x[0], pe[0][0], pe[1][0], kp, vp, slots, keys)
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["decode", "mixed", "padded", "ragged"])
+def test_attend_matches_per_row_softmax(layout):
+    """``LayerRunner.attend`` (its planned calls: one-row units batched, prompts padded or one by one, keys
+    trimmed) == a per-row softmax over exactly the keys each row may see, for any mix of unit sizes."""
+    g = torch.Generator().manual_seed(5)
+    Hq, kvh, hd, n_slots = 4, 2, 8, 64
+    sizes = {"decode": [1, 1, 1], "mixed": [1, 3, 1, 4, 1], "padded": [3, 4], "ragged": [1, 9, 2, 2]}[layout]
+    N, U = sum(sizes), len(sizes)
+    L = 12
+    kp, vp = torch.randn(n_slots, kvh, hd, generator=g), torch.randn(n_slots, kvh, hd, generator=g)
+    q = torch.randn(N, Hq, hd, generator=g)
+    idx = torch.randint(0, n_slots, (U, L), generator=g)
+    kpos = torch.randint(0, 10, (U, L), generator=g)
+    valid = torch.rand(U, L, generator=g) < 0.6
+    valid[:, L - 1] = False  # trailing masked columns (trimmed by the plan)
+    unit_rows, start = [], 0
+    for n in sizes:
+        unit_rows.append((start, n))
+        start += n
+    qpos = torch.randint(5, 12, (N,), generator=g)
+    for u, (s, n) in enumerate(unit_rows):
+        valid[u, 0], kpos[u, 0] = True, 0  # every row sees at least one key
+    keys = KeyList(idx, valid, kpos, unit_rows, qpos, all(n == 1 for n in sizes))
+
+    class Attn:
+        scaling = hd**-0.5
+
+    class Layer:
+        self_attn = Attn()
+
+    out = LayerRunner(LAYER_OPS["llama"]).attend(Layer(), q, kp, vp, keys).view(N, Hq, hd)
+    for u, (s, n) in enumerate(unit_rows):
+        for r in range(s, s + n):
+            see = valid[u] & ((kpos[u] <= qpos[r]) if n > 1 else True)
+            K = kp[idx[u][see]].repeat_interleave(Hq // kvh, 1)  # [l, Hq, hd]
+            V = vp[idx[u][see]].repeat_interleave(Hq // kvh, 1)
+            w = torch.softmax(torch.einsum("hd,lhd->hl", q[r], K) * Attn.scaling, -1)
+            torch.testing.assert_close(out[r], torch.einsum("hl,lhd->hd", w, V), atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """Serving looped models: a continuous depth-wise batching engine and an OpenAI-compatible server.
 
-- ``engine.Engine``: request queue, token-level continuous batching, depth-wise batching of the core;
+- ``engine.Engine``: request queue, admission, cancellation, the step loop (scheduling);
+- ``step.StepExecution``: the tensor work of a step: prelude, the core over every row in flight, readout,
+  decisions, sampling (mixed into ``Engine``);
+- ``requests``: ``Request`` and the running state (``SeqState``, ``TokenGroup``);
 - ``kv.PagedKV``: K/V in fixed-size blocks per (layer, depth), allocated from a memory budget;
 - ``layers``: base decoder layers run on flat rows over paged keys (per-family ops in one table);
 - ``methods.MethodAdapter``: the one module with method-specific calls (decider, exit rule, mixture);

@@ -10,14 +10,14 @@ group; so the engine calls the layer's *submodules* itself — the same modules,
 
 Everything that differs between families lives in ``LAYER_OPS`` (one entry per family, STYLE.md
 habit 6): Qwen3 normalizes each head's query and key (``q_norm``/``k_norm``) before the rotary
-embedding, Llama does not. ``tests/test_serving_layers.py`` checks ``LayerRunner`` against the
-layer's own ``forward`` for both families.
+embedding, Llama does not. ``tests/test_serving_engine.py`` checks ``LayerRunner`` against the
+layer's own ``forward`` for both families, and ``attend`` against a per-row softmax for every unit layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,89 @@ class KeyList:
     unit_rows: list[tuple[int, int]]
     qpos: torch.Tensor
     single: bool
+    _plan: list | None = field(default=None, repr=False, compare=False)
+
+    def plan(self) -> list[_Part]:
+        """The attention calls over these keys (built once, shared by every layer of the call)."""
+        if self._plan is None:
+            self._plan = _build_plan(self)
+        return self._plan
+
+
+@dataclass
+class _Part:
+    """One ``scaled_dot_product_attention`` call of a plan: query rows, the keys they read, their mask.
+
+    Attributes:
+        flat: ``[Up * Lp]`` pool slots to gather (``Up`` units of ``Lp`` keys, trimmed to the last visible one).
+        Up, Lp: the gathered keys' shape.
+        mask: ``[Up, 1, Tq, Lp]`` bool attention mask.
+        q_rows: rows of the queries: ``[Up]`` (one query per unit, ``Tq = 1``) or ``[Up, Tq]`` (padded).
+        out_rows: ``[n]`` rows written; ``out_sel``: ``[Up, Tq]`` bool, the real queries (``None``: all).
+        rows: ``(start, n)`` when the part is one unit of contiguous rows (no gather of queries).
+    """
+
+    flat: torch.Tensor
+    Up: int
+    Lp: int
+    mask: torch.Tensor
+    q_rows: torch.Tensor | None = None
+    out_rows: torch.Tensor | None = None
+    out_sel: torch.Tensor | None = None
+    rows: tuple[int, int] | None = None
+
+
+def _trim(valid: torch.Tensor) -> int:
+    """Columns up to the last visible key of any unit (at least 1): masked columns past it cost only time."""
+    cols = valid.any(0).nonzero()
+    return int(cols.max()) + 1 if cols.numel() else 1
+
+
+def _build_plan(keys: KeyList) -> list[_Part]:
+    """Split the units into attention calls: all one-row units in one call; multi-row units (prompts) padded
+    to the longest in one call when that wastes at most half the queries, else one call each."""
+    idx, valid, dev = keys.idx, keys.valid, keys.idx.device
+    U = idx.shape[0]
+    N = keys.qpos.shape[0]
+    if keys.single:
+        Lp = _trim(valid)
+        return [_Part(idx[:, :Lp].reshape(-1), U, Lp, valid[:, None, None, :Lp])]
+    parts = []
+    ones = [u for u, (_, n) in enumerate(keys.unit_rows) if n == 1]
+    if ones:  # the one-row units (decoding tokens): one batched call
+        ui = torch.tensor(ones, device=dev)
+        v1 = valid[ui]
+        Lp = _trim(v1)
+        ri = torch.tensor([keys.unit_rows[u][0] for u in ones], device=dev)
+        parts.append(_Part(idx[ui, :Lp].reshape(-1), len(ones), Lp, v1[:, None, None, :Lp], q_rows=ri, out_rows=ri))
+    multi = [u for u, (_, n) in enumerate(keys.unit_rows) if n > 1]
+    if not multi:
+        return parts
+    tmax = max(keys.unit_rows[u][1] for u in multi)
+    if len(multi) * tmax <= 2 * sum(keys.unit_rows[u][1] for u in multi):
+        # prompts of similar lengths: one call, queries padded to the longest (padding rows masked out)
+        ui = torch.tensor(multi, device=dev)
+        vm = valid[ui]
+        Lp = _trim(vm)
+        t = torch.arange(tmax, device=dev)
+        starts = torch.tensor([keys.unit_rows[u][0] for u in multi], device=dev)
+        ns = torch.tensor([keys.unit_rows[u][1] for u in multi], device=dev)
+        real = t[None, :] < ns[:, None]  # [U2, tmax]
+        ri = (starts[:, None] + t[None, :]).clamp_max(N - 1)  # row of each (unit, query slot)
+        qpos = keys.qpos[ri]
+        mask = vm[:, None, :Lp] & (keys.kpos[ui][:, None, :Lp] <= qpos[:, :, None])  # [U2, tmax, Lp]
+        mask = mask | ~real[:, :, None]  # padded queries see everything (their output is dropped)
+        parts.append(
+            _Part(idx[ui, :Lp].reshape(-1), len(multi), Lp, mask[:, None], q_rows=ri, out_rows=ri[real], out_sel=real)
+        )
+        return parts
+    for u in multi:  # prompts of very different lengths: one call each, causal inside
+        start, n = keys.unit_rows[u]
+        Lp = _trim(valid[u : u + 1])
+        qp = keys.qpos[start : start + n]
+        mask = valid[u][None, :Lp] & (keys.kpos[u][None, :Lp] <= qp[:, None])  # [n, Lp]
+        parts.append(_Part(idx[u, :Lp], 1, Lp, mask[None, None], rows=(start, n)))
+    return parts
 
 
 class LayerRunner:
@@ -101,64 +184,40 @@ class LayerRunner:
         return q, k, v
 
     def attend(self, layer, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, keys: KeyList) -> torch.Tensor:
-        """Attention of rows ``q`` ``[N, Hq, hd]`` over the pooled keys -> ``[N, Hq * hd]``."""
+        """Attention of rows ``q`` ``[N, Hq, hd]`` over the pooled keys -> ``[N, Hq * hd]``.
+
+        The calls, their gathered slots and masks are planned once per ``KeyList`` (``KeyList.plan``) and
+        reused by every layer; per layer only the keys are gathered and attended."""
         a = layer.self_attn
         N, Hq, hd = q.shape
-        U, L = keys.idx.shape
-        kvh = k_pool.shape[1]
-        K = k_pool.index_select(0, keys.idx.reshape(-1)).view(U, L, kvh, hd).transpose(1, 2)
-        V = v_pool.index_select(0, keys.idx.reshape(-1)).view(U, L, kvh, v_pool.shape[-1]).transpose(1, 2)
+        kvh, vd = k_pool.shape[1], v_pool.shape[-1]
         gqa = kvh != Hq
-        if keys.single:
-            mask = keys.valid[:, None, None, :]
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :], K, V, attn_mask=mask, scale=a.scaling, enable_gqa=gqa
-            )
-            return out.reshape(N, Hq * hd)
-        out = q.new_empty(N, Hq, hd)
-        ones = [u for u, (_, n) in enumerate(keys.unit_rows) if n == 1]
-        if ones:  # the one-row units (decoding tokens): one batched call
-            ui = torch.tensor(ones, device=q.device)
-            ri = torch.tensor([keys.unit_rows[u][0] for u in ones], device=q.device)
-            o = F.scaled_dot_product_attention(
-                q[ri][:, :, None, :],
-                K[ui],
-                V[ui],
-                attn_mask=keys.valid[ui][:, None, None, :],
-                scale=a.scaling,
-                enable_gqa=gqa,
-            )
-            out[ri] = o[:, :, 0]
-        multi = [u for u, (_, n) in enumerate(keys.unit_rows) if n > 1]
-        if not multi:
-            return out.reshape(N, Hq * hd)
-        tmax = max(keys.unit_rows[u][1] for u in multi)
-        if len(multi) * tmax <= 2 * sum(keys.unit_rows[u][1] for u in multi):
-            # prompts of similar lengths: one call, queries padded to the longest (padding rows masked out)
-            ui = torch.tensor(multi, device=q.device)
-            t = torch.arange(tmax, device=q.device)
-            starts = torch.tensor([keys.unit_rows[u][0] for u in multi], device=q.device)
-            ns = torch.tensor([keys.unit_rows[u][1] for u in multi], device=q.device)
-            real = t[None, :] < ns[:, None]  # [U2, tmax]
-            ri = (starts[:, None] + t[None, :]).clamp_max(N - 1)  # row of each (unit, query slot)
-            qpos = keys.qpos[ri]
-            mask = keys.valid[ui][:, None, :] & (keys.kpos[ui][:, None, :] <= qpos[:, :, None])  # [U2, tmax, L]
-            mask = mask | ~real[:, :, None]  # padded queries see everything (their output is dropped)
-            qb = q[ri].transpose(1, 2)  # [U2, Hq, tmax, hd]
-            o = F.scaled_dot_product_attention(
-                qb, K[ui], V[ui], attn_mask=mask[:, None], scale=a.scaling, enable_gqa=gqa
-            )
-            out[ri[real]] = o.transpose(1, 2)[real]
-            return out.reshape(N, Hq * hd)
-        for u in multi:  # prompts of very different lengths: one call each, causal inside
-            start, n = keys.unit_rows[u]
-            qp = keys.qpos[start : start + n]
-            mask = keys.valid[u][None, :] & (keys.kpos[u][None, :] <= qp[:, None])  # [n, L]
-            qu = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, hd]
-            o = F.scaled_dot_product_attention(
-                qu, K[u : u + 1], V[u : u + 1], attn_mask=mask[None, None], scale=a.scaling, enable_gqa=gqa
-            )
-            out[start : start + n] = o[0].transpose(0, 1)
+        plan = keys.plan()
+        out = None
+        for part in plan:
+            K = k_pool.index_select(0, part.flat).view(part.Up, part.Lp, kvh, hd).transpose(1, 2)
+            V = v_pool.index_select(0, part.flat).view(part.Up, part.Lp, kvh, vd).transpose(1, 2)
+            if part.rows is not None:  # one unit of contiguous rows
+                start, n = part.rows
+                qp = q[start : start + n].transpose(0, 1)[None]  # [1, Hq, n, hd]
+            elif part.q_rows is None:  # every row, one query each
+                qp = q[:, :, None, :]
+            elif part.q_rows.dim() == 1:  # some rows, one query each
+                qp = q[part.q_rows][:, :, None, :]
+            else:  # padded multi-row units
+                qp = q[part.q_rows].transpose(1, 2)  # [U2, Hq, tmax, hd]
+            o = F.scaled_dot_product_attention(qp, K, V, attn_mask=part.mask, scale=a.scaling, enable_gqa=gqa)
+            if len(plan) == 1 and part.q_rows is None and part.rows is None:
+                return o.reshape(N, Hq * hd)
+            if out is None:
+                out = q.new_empty(N, Hq, hd)
+            if part.rows is not None:
+                start, n = part.rows
+                out[start : start + n] = o[0].transpose(0, 1)
+            elif part.out_sel is None:
+                out[part.out_rows] = o[:, :, 0]
+            else:
+                out[part.out_rows] = o.transpose(1, 2)[part.out_sel]
         return out.reshape(N, Hq * hd)
 
     def finish(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

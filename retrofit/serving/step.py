@@ -1,0 +1,346 @@
+"""Step execution of the serving engine: prelude, core over every row in flight, readout, decisions, sampling.
+
+``StepExecution`` is a mixin of ``retrofit.serving.engine.Engine``: it holds no state of its own and runs
+points 2–5 of the engine's step (see ``retrofit.serving.engine``) over the engine's row buffers (``e``,
+``h``, ``krow``), KV (``kv``), method adapter (``adapter``), layer runner (``runner``) and groups
+(``groups``, ``ro_pending``); scheduling (admission, cancellation, freeing) stays in the engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .methods import ExitSpec
+from .requests import TokenGroup
+from .sampling import sample
+
+
+class StepExecution:
+    """The tensor work of one engine step (mixed into ``Engine``; see the module docstring)."""
+
+    # -- prelude --------------------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor):
+        cos, sin = self.model.model.rotary_emb(x[None], pos[None])
+        return cos[0], sin[0]
+
+    def _units(self, groups_rows: list[list[int]]):
+        """Per unit ``(start, count)`` in the concatenated row order; single = every unit has one row."""
+        out, start = [], 0
+        for rows in groups_rows:
+            out.append((start, len(rows)))
+            start += len(rows)
+        return out, all(n == 1 for _, n in out)
+
+    def _prelude(self, groups: list[TokenGroup]) -> None:
+        dev = self.device
+        rows = torch.tensor([r for g in groups for r in g.rows], device=dev)
+        pos = torch.tensor([p for g in groups for p in g.positions], device=dev)
+        tokens = torch.tensor([t for g in groups for t in g.tokens], device=dev)
+        x = self.model.model.embed_tokens(tokens)
+        if self.model.prelude_layers:
+            cos, sin = self._rope(x, pos)
+            s = torch.tensor([g.seq.slot for g in groups for _ in g.rows], device=dev)
+            zero = torch.zeros_like(s)
+            unit_rows, single = self._units([g.rows for g in groups])
+            slots = self.kv.dense_write(
+                self.kv.pre,
+                s,
+                zero,
+                pos,
+                [g.seq.slot for g in groups],
+                [0] * len(groups),
+                [g.positions[-1] + 1 for g in groups],
+            )
+            qmax = [g.positions[-1] for g in groups]
+            keys = self.kv.dense_keys(
+                self.kv.pre,
+                torch.tensor([g.seq.slot for g in groups], device=dev),
+                torch.zeros(len(groups), dtype=torch.long, device=dev),
+                torch.tensor(qmax, device=dev),
+                max(qmax) + 1,
+                unit_rows,
+                pos,
+                single,
+            )
+            pool = self.kv.pools["pre"]
+            for layer in self.model.prelude_layers:
+                li = layer.self_attn.layer_idx
+                x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
+        self.e[rows] = x
+        self.h[rows] = x
+        by_spec: dict[ExitSpec, list[int]] = {}  # one call per exit spec (usually one for the whole step)
+        start = 0
+        for g in groups:
+            by_spec.setdefault(g.seq.req.spec, []).extend(range(start, start + len(g.rows)))
+            start += len(g.rows)
+        for spec, idx in by_spec.items():
+            if len(idx) == len(rows):
+                self.adapter.enter(rows, x, spec)
+            else:
+                it = torch.tensor(idx, device=dev)
+                self.adapter.enter(rows[it], x[it], spec)
+
+    # -- core, readout, decisions -----------------------------------------------------------------
+    def _core_step(self) -> None:
+        dev = self.device
+        D = self.D
+        groups = self.groups
+        run_rows: list[int] = []
+        run_d: list[int] = []
+        run_s: list[int] = []
+        run_rank: list[int] = []
+        run_pos: list[int] = []
+        run_gi: list[int] = []  # index of the row in its group
+        unit_rows = []
+        units = []
+        for g in groups:
+            start = len(run_rows)
+            k = 0
+            for i, (r, a) in enumerate(zip(g.rows, g.active)):
+                if a:
+                    run_rows.append(r)
+                    run_pos.append(g.positions[i])
+                    run_gi.append(i)
+                    run_rank.append(k)
+                    k += 1
+            run_d.extend([g.m] * k)
+            run_s.extend([g.seq.slot] * k)
+            unit_rows.append((start, k))
+            units.append((g.seq.slot, g.m, k, run_pos[-1]))
+        N = len(run_rows)
+        single = all(n == 1 for _, n in unit_rows)
+        rows_t = torch.tensor(run_rows, device=dev)
+        d_t = torch.tensor(run_d, device=dev)
+        s_t = torch.tensor(run_s, device=dev)
+        pos_t = torch.tensor(run_pos, device=dev)
+        rank_t = torch.tensor(run_rank, device=dev)
+        self.stats["core_rows"] += N
+        self.last_core = list(zip(run_s, run_d))  # (sequence slot, depth) of each row of this step's core call
+
+        e = self.e[rows_t]
+        h_prev = self.h[rows_t]
+        n_first = sum(1 for d in run_d if d == 1)
+        x = self.adapter.core_input(e, h_prev, d_t == 1, n_first > 0, n_first == N)
+        slots, kidx = self.kv.core_write([(s, m, n) for s, m, n, _ in units], s_t, d_t, rank_t, pos_t)
+        u_s = torch.tensor([u[0] for u in units], device=dev)
+        u_m = torch.tensor([u[1] for u in units], device=dev)
+        u_q = torch.tensor([u[3] for u in units], device=dev)
+        keys = self.kv.core_keys(u_s, u_m, u_q, unit_rows, pos_t, single)
+        cos, sin = self._rope(x, pos_t)
+        pool = self.kv.pools["core"]
+        for layer in self.model.core_layers:
+            li = layer.self_attn.layer_idx
+            x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
+        taps = None
+        flags = [g.seq.req.spec.schedule == "taps" for g in groups]
+        if any(flags):
+            taps = torch.tensor([f for f, (_, n) in zip(flags, unit_rows) for _ in range(n)], device=dev)
+        h_new = self.adapter.relax(rows_t, d_t, h_prev, x, taps)
+        self.h[rows_t] = h_new
+        self.krow[rows_t] = kidx
+
+        # -- readout of the rows that need it -----------------------------------------------------
+        ro_groups = [gi for gi, g in enumerate(groups) if g.seq.readout]
+        z = None
+        zpos = None
+        if ro_groups or self.ro_pending:
+            z, zpos = self._readout(groups, ro_groups, unit_rows, rows_t, h_new, N)
+
+        # -- decisions ---------------------------------------------------------------------------------
+        cont = torch.zeros(N, dtype=torch.bool, device=dev)
+        signal = torch.full((N,), float("nan"), device=dev)
+        by_spec: dict[ExitSpec, list[int]] = {}
+        for g, (start, n) in zip(groups, unit_rows):
+            if g.m < D and n:
+                by_spec.setdefault(g.seq.req.spec, []).extend(range(start, start + n))
+        for spec, idx_py in by_spec.items():
+            if len(idx_py) == N:  # one spec, every row below depth D (common): no gathers of the step's rows
+                zi = z[zpos] if (z is not None and self.adapter.needs_readout(spec)) else None
+                c, sig = self.adapter.decide(rows_t, d_t, e, h_new, zi, spec)
+                cont.copy_(c)
+                if sig is not None:
+                    signal.copy_(sig.float())
+                continue
+            idx = torch.tensor(idx_py, device=dev)
+            zi = z[zpos[idx]] if (z is not None and self.adapter.needs_readout(spec)) else None
+            c, sig = self.adapter.decide(rows_t[idx], d_t[idx], e[idx], h_new[idx], zi, spec)
+            cont[idx] = c
+            if sig is not None:
+                signal[idx] = sig.float()
+        stop = ~cont
+        self.kv.mark_exit(s_t[stop], d_t[stop], kidx[stop])
+
+        # TaH2: the output combination of each request's last token
+        if self.adapter.output_from_readout:
+            last_idx = [
+                start + n - 1
+                for g, (start, n) in zip(groups, unit_rows)
+                if n and g.active[-1] and run_gi[start + n - 1] == len(g.rows) - 1
+            ]
+            if last_idx:
+                li_t = torch.tensor(last_idx, device=dev)
+                sig = signal[li_t]
+                self.adapter.combine_add(
+                    s_t[li_t], d_t[li_t], z[zpos[li_t]], stop[li_t], None if bool(torch.isnan(sig).all()) else sig
+                )
+
+        # -- bookkeeping: exits, finished steps, sampling ------------------------------------------
+        cont_py = cont.tolist()
+        finished: list[TokenGroup] = []
+        still: list[TokenGroup] = []
+        for g, (start, n) in zip(groups, unit_rows):
+            for j in range(start, start + n):
+                i = run_gi[j]
+                if not cont_py[j]:
+                    g.active[i] = False
+                    g.exit_depth[i] = g.m
+                    g.n_active -= 1
+            if g.n_active == 0:
+                finished.append(g)
+            else:
+                g.m += 1
+                still.append(g)
+        self.groups = still
+        if finished:
+            self._finish_groups(finished)
+
+    def _readout(self, groups, ro_groups, unit_rows, rows_t, h_new, N):
+        """Logits of the active rows of requests that read out every depth; ``zpos[j]`` is the row of
+        ``z`` for run row ``j``. With a coda, its readout runs over every token of the step at the
+        step's depth (exited tokens with their passthrough state) plus the deeper readouts of steps
+        that finished in the previous step."""
+        dev = self.device
+        ro_run = [j for gi in ro_groups for j in range(unit_rows[gi][0], unit_rows[gi][0] + unit_rows[gi][1])]
+        zpos = torch.zeros(N, dtype=torch.long, device=dev)
+        if ro_run:
+            zpos[torch.tensor(ro_run, device=dev)] = torch.arange(len(ro_run), device=dev)
+        model = self.model
+        if not self.kv.has_coda:
+            y = h_new[torch.tensor(ro_run, device=dev)] if ro_run else None
+        else:
+            # coda units: (group rows, stream j)
+            cu: list[tuple[TokenGroup, int]] = [(groups[gi], groups[gi].m) for gi in ro_groups]
+            pend, self.ro_pending = self.ro_pending, []
+            for pg, js in pend:
+                cu.extend((pg, j) for j in js)
+            rows = torch.tensor([r for g, _ in cu for r in g.rows], device=dev)
+            pos = torch.tensor([p for g, _ in cu for p in g.positions], device=dev)
+            s = torch.tensor([g.seq.slot for g, _ in cu for _ in g.rows], device=dev)
+            jt = torch.tensor([j for g, j in cu for _ in g.rows], device=dev)
+            x = self.h[rows]
+            cos, sin = self._rope(x, pos)
+            unit_rows_c, single = self._units([g.rows for g, _ in cu])
+            ends = [g.positions[-1] + 1 for g, _ in cu]
+            slots = self.kv.dense_write(self.kv.coda, s, jt, pos, [g.seq.slot for g, _ in cu], [j for _, j in cu], ends)
+            qmax = [e - 1 for e in ends]
+            keys = self.kv.dense_keys(
+                self.kv.coda,
+                torch.tensor([g.seq.slot for g, _ in cu], device=dev),
+                torch.tensor([j for _, j in cu], device=dev),
+                torch.tensor(qmax, device=dev),
+                max(qmax) + 1,
+                unit_rows_c,
+                pos,
+                single,
+            )
+            pool = self.kv.pools["coda"]
+            for layer in model.coda_layers:
+                li = layer.self_attn.layer_idx
+                x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
+            for pg, _ in pend:
+                if pg.rows:
+                    self._release_rows(pg)
+            # the active rows of the current readout groups, in run order
+            take = []
+            off = 0
+            for g, _ in cu[: len(ro_groups)]:
+                take.extend(off + i for i, a in enumerate(g.active) if a)
+                off += len(g.rows)
+            y = x[torch.tensor(take, device=dev)] if take else None
+        z = model.lm_head(model.model.norm(y)) if y is not None else None
+        return z, zpos
+
+    def _finish_groups(self, finished: list[TokenGroup]) -> None:
+        """All tokens of these steps have exited: output logits, sample, emit, feed the next token."""
+        dev = self.device
+        model = self.model
+        D = self.D
+        seqs = torch.tensor([g.seq.slot for g in finished], device=dev)
+        if self.adapter.output_from_readout:
+            logits = self.adapter.combined_logits(seqs)
+        else:
+            last_rows = torch.tensor([g.rows[-1] for g in finished], device=dev)
+            if self.kv.has_coda:
+                rows = torch.tensor([r for g in finished for r in g.rows], device=dev)
+                pos = torch.tensor([p for g in finished for p in g.positions], device=dev)
+                s = torch.tensor([g.seq.slot for g in finished for _ in g.rows], device=dev)
+                x = self.h[rows]
+                cos, sin = self._rope(x, pos)
+                unit_rows, single = self._units([g.rows for g in finished])
+                ends = [g.positions[-1] + 1 for g in finished]
+                zero = torch.zeros_like(s)
+                slots = self.kv.dense_write(
+                    self.kv.coda, s, zero, pos, [g.seq.slot for g in finished], [0] * len(finished), ends
+                )
+                qmax = [e - 1 for e in ends]
+                keys = self.kv.dense_keys(
+                    self.kv.coda,
+                    seqs,
+                    torch.zeros_like(seqs),
+                    torch.tensor(qmax, device=dev),
+                    max(qmax) + 1,
+                    unit_rows,
+                    pos,
+                    single,
+                )
+                pool = self.kv.pools["coda"]
+                for layer in model.coda_layers:
+                    li = layer.self_attn.layer_idx
+                    x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
+                last = torch.tensor([start + n - 1 for start, n in unit_rows], device=dev)
+                y = x[last]
+            else:
+                y = self.h[last_rows]
+            logits = model.lm_head(model.model.norm(y))
+        greedy = [g.seq.req.params.greedy for g in finished]
+        argmax = logits.argmax(-1).tolist() if any(greedy) else None
+        now = time.monotonic()
+        n_tok = 0
+        for i, g in enumerate(finished):
+            seq = g.seq
+            req = seq.req
+            req.position_depths.extend(g.exit_depth)
+            d_last = max(g.exit_depth)
+            tok = argmax[i] if greedy[i] else sample(logits[i], req.params, seq.gen)
+            depth = g.exit_depth[-1]
+            req.output.append(tok)
+            req.depths.append(depth)
+            self.stats["tokens"] += 1
+            self.stats["depth_sum"] += depth
+            n_tok += 1
+            is_eos = tok in self.eos and not req.params.ignore_eos
+            text, hit_stop = ("", False) if is_eos else seq.stops.push(tok)
+            req._emit({"type": "token", "token": tok, "text": text, "depth": depth})
+            reason = None
+            if is_eos or hit_stop:
+                reason = "stop"
+            elif len(req.output) >= req.params.max_tokens:
+                reason = "length"
+            if reason is not None:
+                if not hit_stop:
+                    tail = seq.stops.flush()
+                    if tail:
+                        req._emit({"type": "token", "token": None, "text": tail, "depth": None})
+                seq.group = None
+                self._release_rows(g)
+                self._finish_seq(seq, reason)
+                continue
+            if seq.readout and self.kv.has_coda and d_last < D:
+                # later tokens may run deeper: their depth-j readout reads this step's tokens at depth j
+                self.ro_pending.append((g, list(range(d_last + 1, D + 1))))
+            else:
+                self._release_rows(g)
+            self._new_group(seq, [tok])
+        self._recent.append((now, n_tok))
