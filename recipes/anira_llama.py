@@ -1,197 +1,37 @@
-"""ANIRA-E / ANIRA-O on a Llama-family model (METHODS.md §4).
+"""ANIRA-E / ANIRA-O on a Llama-family model (docs/anira.md).
 
-A middle block of the pretrained stack loops (prelude → core × depth → coda); a decider picks each
-token's depth, either once before the loop from the prelude output (``--method anira-e``, early,
-straight-through Gumbel-softmax in training, argmax at inference) or after every iteration
-(``--method anira-o``, online, inverse-CDF sampling in training, median or a tunable cumulative
-threshold at inference). Loss: ``L = L_CE + γ · KL(q ‖ p)``, ``p(d) ∝ b^(-d)``; CE on answer tokens
-only, the KL term on all tokens.
+A middle block of the pretrained stack loops (prelude → core × depth → coda); a decider picks each token's
+depth, either once before the loop from the prelude output (``--method anira-e``: early, straight-through
+Gumbel-softmax in training, argmax at inference) or after every iteration (``--method anira-o``: online,
+inverse-CDF sampling in training, the median or a tunable cumulative threshold at inference). Loss:
+``L = L_CE + γ · KL(q ‖ p)``, ``p(d) ∝ b^(-d)``; CE on answer tokens only, the KL term on all tokens.
 
-With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on MANO with ANIRA-E, using
-the preset ``recipes/configs/anira_llama.yaml``::
+With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on MANO with ANIRA-E (preset
+``recipes/configs/anira_llama.yaml``)::
 
     accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py
     accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --method anira-o --halt_threshold 0.3
     accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --task brevo --max_depth 6 --gamma 0.05
+    # the same-budget controls and the side-by-side report
+    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --control sft,fixed --report true
     # CPU smoke test on a tiny random model and your own rows (JSON lines with prompt + answer)
-    accelerate launch --config_file launch/cpu.yaml recipes/anira_llama.py \
+    accelerate launch --config_file launch/cpu.yaml recipes/anira_llama.py \\
         --model tiny-llama --prelude 1 --core 4 --data_file rows.jsonl --max_steps 3 --output_dir /tmp/anira
-    # continue an interrupted run from its last complete checkpoint
-    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --resume
+    # continue an interrupted run from its newest valid checkpoint
+    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --resume true
 
-The ANIRA paper uses D = 6 (14 on MANO) and tunes γ and b by grid search (its Appendix Table 5,
-not reproduced in our seed); ``--gamma``, ``--prior_base`` and ``--max_depth`` set them.
-``--prior_base 1`` keeps only the entropy term. LoRA: ``--lora``.
+The ANIRA paper uses D = 6 (14 on MANO) and tunes γ and b by grid search; ``--gamma``, ``--prior_base`` and
+``--max_depth`` set them. ``--prior_base 1`` keeps only the entropy term. LoRA: ``--lora true``.
 
-Outputs under ``--output_dir``: ``checkpoint-N/`` (atomic, resumable), ``final/``,
-``final-merged/`` (with ``--lora``), ``data_report.json``, TensorBoard logs in ``runs/``.
+Every flag is shared by all recipes (``retrofit.recipe``); ``--help`` lists them. Outputs: as
+``recipes/tah2_qwen3.py``.
 """
 
-from __future__ import annotations
-
-import json
-import logging
-import os
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import datasets
-import torch
-from transformers import set_seed
-from trl import TrlParser
+from retrofit.recipe import RecipeSpec, recipe_main
 
-from retrofit import LoopConfig
-from retrofit.checkpointing import last_checkpoint
-from retrofit.training import (
-    NonFiniteLossError,
-    RetrofitSFTConfig,
-    RetrofitSFTTrainer,
-    apply_lora,
-    build_looped_model,
-    format_sft_dataset,
-    zero3_enabled,
-)
-
-logger = logging.getLogger("anira_llama")
-PRESET = Path(__file__).parent / "configs" / "anira_llama.yaml"
-
-
-@dataclass
-class ModelArgs:
-    model: str = field(
-        default="smollm2",
-        metadata={"help": "Hub id, local folder, .gguf file, 'smollm2' (embedded) or 'tiny-llama' (random, tests)."},
-    )
-    dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 (use --bf16 for mixed precision) or bfloat16."})
-    method: str = field(default="anira-e", metadata={"help": "anira-e (early decision) or anira-o (online decisions)."})
-    prelude: int = field(default=4, metadata={"help": "Layers run once before the loop; the decider of anira-e reads their output."})
-    core: int | None = field(default=22, metadata={"help": "Layers looped after the prelude; the rest form the coda. None = all remaining."})
-    max_depth: int = field(default=4, metadata={"help": "Maximum iterations D (ANIRA: 6; 14 on MANO). Cost grows ~linearly."})
-    halt_threshold: float = field(
-        default=0.5, metadata={"help": "anira-o inference: stop once the cumulative halting mass reaches it (0.5 = median depth)."}
-    )
-    gumbel_tau: float = field(default=1.0, metadata={"help": "anira-e training: Gumbel-softmax temperature."})
-    updater_hidden: int | None = field(default=None, metadata={"help": "Updater MLP width; None = hidden size."})
-    decider_hidden: int | None = field(default=None, metadata={"help": "Decider FFN width; None = hidden size / 4."})
-    lora: bool = field(default=False, metadata={"help": "Train LoRA adapters on the backbone; updater and decider train fully."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_targets: str | None = field(default=None, metadata={"help": "Comma-separated module names; default: attention + MLP projections."})
-
-
-@dataclass
-class DataArgs:
-    task: str = field(default="mano", metadata={"help": "data_prep task (mano, brevo, lano, gsm, clrs_*, ...)."})
-    n_train: int = field(default=1000, metadata={"help": "Training rows per difficulty level."})
-    n_eval: int = field(default=20, metadata={"help": "Evaluation rows per level (0 = no evaluation set)."})
-    task_seed: int = field(default=0, metadata={"help": "Seed of the task generator."})
-    data_file: str | None = field(default=None, metadata={"help": "Use rows from this .jsonl/.json/.parquet file or save_to_disk folder instead of --task."})
-    eval_file: str | None = field(default=None, metadata={"help": "Evaluation rows for --data_file."})
-    chat: str = field(default="auto", metadata={"help": "Format rows as chat turns: auto (if the tokenizer has a template), true, false."})
-    resume: bool = field(default=False, metadata={"help": "Continue from the last complete checkpoint in --output_dir."})
-
-
-def parse_args(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--config" not in argv:
-        argv = ["--config", str(PRESET), *argv]
-    return TrlParser((ModelArgs, DataArgs, RetrofitSFTConfig)).parse_args_and_config(argv)
-
-
-def read_rows(path: str) -> datasets.Dataset:
-    """Rows of a .jsonl/.json/.parquet file or a save_to_disk folder (clear ``DataError`` otherwise)."""
-    from data_prep.chat import load_rows
-
-    return datasets.Dataset.from_list(load_rows(path))
-
-
-def load_data(args: DataArgs, tokenizer):
-    """-> (train, eval or None) as TRL prompt/completion rows, plus a report of skipped rows."""
-    if args.data_file:
-        train = read_rows(args.data_file)
-        evals = read_rows(args.eval_file) if args.eval_file else None
-    else:
-        from data_prep.tasks import build_splits
-
-        splits = build_splits(args.task, n_train=args.n_train, n_eval=max(args.n_eval, 1), seed=args.task_seed)
-        train, evals = splits["train"], (splits["eval"] if args.n_eval > 0 else None)
-    if args.chat not in ("auto", "true", "false"):
-        raise SystemExit(f"--chat must be auto, true or false, got {args.chat!r}")
-    chat = args.chat == "true" or (args.chat == "auto" and tokenizer.chat_template is not None)
-    train, report = format_sft_dataset(train, chat=chat)
-    reports = {"train_rows": report}
-    if evals is not None:
-        evals, reports["eval_rows"] = format_sft_dataset(evals, chat=chat)
-    return train, evals, reports
-
-
-def main(argv=None) -> int:
-    margs, dargs, targs = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if targs.should_log else logging.WARNING)
-    set_seed(targs.seed)
-
-    # 1. The looped model. Under ZeRO-3 the loop always unrolls max_depth iterations: DeepSpeed's
-    #    parameter prefetch traces the module order, and a data-dependent depth thrashes it.
-    if margs.method not in ("anira-e", "anira-o"):
-        raise SystemExit(f"--method must be anira-e or anira-o, got {margs.method!r}")
-    loop = LoopConfig(
-        prelude=margs.prelude,
-        core=margs.core,
-        max_depth=margs.max_depth,
-        method=margs.method,
-        halt_threshold=margs.halt_threshold,
-        gumbel_tau=margs.gumbel_tau,
-        updater_hidden=margs.updater_hidden,
-        decider_hidden=margs.decider_hidden,
-        fixed_graph=zero3_enabled(targs),
-    )
-    model, tokenizer = build_looped_model(margs.model, loop, dtype=getattr(torch, margs.dtype))
-    if margs.lora:
-        targets = margs.lora_targets.split(",") if margs.lora_targets else None
-        model = apply_lora(model, r=margs.lora_r, alpha=margs.lora_alpha, dropout=margs.lora_dropout, targets=targets)
-        model.print_trainable_parameters()
-
-    # 2. Data: prompt/completion rows; CE covers the completion (answer) only, the KL term every token.
-    train, evals, reports = load_data(dargs, tokenizer)
-
-    # 3. Train. A NaN/inf loss stops the run before the bad update; the last checkpoint stays good.
-    trainer = RetrofitSFTTrainer(model, targs, train_dataset=train, eval_dataset=evals, processing_class=tokenizer)
-    reports.update(trainer.data_report)
-    resume = targs.resume_from_checkpoint
-    if dargs.resume:
-        resume = last_checkpoint(targs.output_dir)
-        if resume is None:
-            raise SystemExit(f"--resume: no complete checkpoint-N folder in {targs.output_dir}")
-        logger.info("resuming from %s", resume)
-    try:
-        trainer.train(resume_from_checkpoint=resume)
-    except NonFiniteLossError as err:
-        logger.error("%s", err)
-        return 1
-
-    # 4. Save: the final model (or adapter) atomically, and the merged model for LoRA.
-    out = Path(targs.output_dir)
-    trainer.save_model_atomic(str(out / "final"))
-    if margs.lora and trainer.accelerator.is_main_process:
-        if zero3_enabled(targs):
-            logger.warning("not merging LoRA under ZeRO-3 (weights are sharded); merge the saved adapter offline")
-        else:
-            from retrofit.checkpointing import atomic_dir
-
-            merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
-            with atomic_dir(out / "final-merged") as tmp:
-                merged.save_pretrained(tmp)
-                tokenizer.save_pretrained(tmp)
-    if trainer.accelerator.is_main_process:
-        (out / "data_report.json").write_text(json.dumps(reports, indent=2))
-        logger.info("saved %s; rows: %s", out / "final", reports)
-    return 0
-
+SPEC = RecipeSpec("anira_llama", Path(__file__).parent / "configs" / "anira_llama.yaml", methods=("anira-e", "anira-o"))
 
 if __name__ == "__main__":
-    from retrofit.errors import run_cli  # bad input: one `error:` line, exit code 2
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(run_cli(main))
+    recipe_main(SPEC)

@@ -24,10 +24,9 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import datasets
 import numpy as np
 import torch
 from transformers import set_seed
@@ -35,9 +34,9 @@ from transformers import set_seed
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data_prep.tasks import _fresh_rows, build_splits, get_task  # noqa: E402
-from retrofit import LoopConfig, convert  # noqa: E402
-from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset  # noqa: E402
+from data_prep.tasks import build_splits
+from retrofit import LoopConfig, convert
+from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
 
 
 @dataclass
@@ -62,6 +61,8 @@ class Cfg:
     depth_warmup: int = 0  # first N steps run at forced max depth (decider still learns its labels)
     freeze_prelude: bool = True
     alpha_d: float = 0.05
+    rho: float = 0.99
+    lora_r: int = 16
     updater_hidden: int | None = None
     lora: bool = False
     seed: int = 0
@@ -83,14 +84,11 @@ def base_model():
 
 
 def splits_for(c: Cfg):
+    """Training rows and the validation rows (disjoint from train and from up to 100 test rows per level,
+    so the main job's ``--n_eval`` <= 100 test rows were never scored here)."""
     sp = build_splits(c.task, n_train=c.n_train, n_eval=100, seed=c.seed, train_levels=list(c.train_levels),
-                      extrap_levels=list(c.extrap_levels), interp_levels=[])
-    task = get_task(c.task)
-    seen = {task.dedup_key(r) for name in sp for r in sp[name]}
-    rows = []
-    for lv in [*c.train_levels, *c.extrap_levels]:
-        rows.extend(_fresh_rows(task, lv, c.n_valid, c.seed, "valid", seen))
-    return sp["train"], datasets.Dataset.from_list([{k: r[k] for k in ("prompt", "answer", "difficulty")} for r in rows])
+                      extrap_levels=list(c.extrap_levels), interp_levels=[], n_valid=c.n_valid)
+    return sp["train"], sp["valid"].select_columns(["prompt", "answer", "difficulty"])
 
 
 def freeze(model, n_prelude: int):
@@ -107,7 +105,7 @@ def targs(c: Cfg, out: str) -> RetrofitSFTConfig:
         output_dir=out, max_steps=c.steps, per_device_train_batch_size=c.batch, learning_rate=c.lr,
         heads_lr_scale=c.heads_lr_scale, lr_scheduler_type="cosine", warmup_steps=0.05, weight_decay=0.0,
         max_grad_norm=1.0, seed=c.seed, logging_steps=20, save_strategy="no", report_to="none",
-        max_length=c.max_length, alpha_d=c.alpha_d, train_sampling_strategy="sequential",
+        max_length=c.max_length, alpha_d=c.alpha_d, rho=c.rho, train_sampling_strategy="sequential",
         activation_checkpointing=False, use_cpu=True, disable_tqdm=True, depth_histogram=False,
     )
 
@@ -138,9 +136,14 @@ def train_arm(c: Cfg, arm: str, train):
         upd.forward = types.MethodType(fwd, upd)
     if c.freeze_prelude:
         freeze(model, c.prelude)
+    if c.lora:
+        from retrofit.training import apply_lora
+
+        model = apply_lora(model, r=c.lora_r, alpha=2 * c.lora_r)
     args = targs(c, f"/tmp/sweep/{c.name}-{arm}")
     trainer = RetrofitSFTTrainer(model, args, train_dataset=train_fmt, processing_class=tok)
     method = trainer._looped.halting
+    info0 = {"trainable_M": round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2)}
     if arm == "looped" and c.depth_warmup > 0:
         orig = method.train_forward_kwargs
 
@@ -155,7 +158,9 @@ def train_arm(c: Cfg, arm: str, train):
     trainer.train()
     hist = [h for h in trainer.state.log_history if "loss" in h]
     info = {"train_s": round(time.time() - t0, 1), "final_loss": hist[-1]["loss"] if hist else None,
-            "mean_depth_answer_last": hist[-1].get("mean_depth_answer") if hist else None}
+            "mean_depth_answer_last": hist[-1].get("mean_depth_answer") if hist else None, **info0}
+    if c.lora:
+        model = model.merge_and_unload()
     model.eval()
     return model, tok, info
 
@@ -231,7 +236,7 @@ def run(c: Cfg) -> dict:
         if arm == "sft":
             key = json.dumps({k: v for k, v in asdict(c).items() if k in (
                 "task", "train_levels", "extrap_levels", "n_train", "n_valid", "steps", "batch", "lr", "seed",
-                "freeze_prelude", "prelude", "max_length")}, sort_keys=True)
+                "freeze_prelude", "prelude", "max_length", "lora", "lora_r")}, sort_keys=True)
             if not c.freeze_prelude:
                 key += "-nofreeze"
         if key is not None and key in _CONTROL_CACHE:

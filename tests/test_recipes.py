@@ -34,6 +34,8 @@ COMMON = [
     "--activation_checkpointing", "false",
     "--dataloader_num_workers", "0",
     "--disable_tqdm", "true",
+    "--control", "",       # the main job's preset trains an SFT control and reports; tests/test_controls.py covers them
+    "--report", "false",
 ]
 
 

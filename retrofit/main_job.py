@@ -1,0 +1,181 @@
+"""The report step of a recipe run with ``--report``: the looped model, its same-budget controls and the
+untrained base, side by side on the held-out test rows.
+
+``main_job_report`` evaluates every model on the same test rows of every level (``retrofit.evaluation``:
+greedy exact match, Wilson intervals, d̄ and compute per answer token, exact McNemar and a paired bootstrap of
+the looped model against each other model, per-example depth vs level and per-token depth vs the SFT
+control's loss), exports the looped checkpoint, and writes ``summary.json``: every figure README's results
+table quotes, plus the three claims the main job tests (``targets``) with whether this run met them.
+
+Test rows come from ``data_prep.tasks.build_splits`` with the run's seed: instances never seen in training,
+disjoint from the validation split that settings are chosen on (``--n_valid``; the sweep in
+``scripts/sweep_main_job.py`` reads only validation rows).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: The main job's claims (issue 15): each is checked on the run's own test rows and reported as met or not.
+TARGETS = {
+    "control_learns": "the SFT control reaches >= 40% mean accuracy over the training levels",
+    "looped_beats_control": "the looped model beats the SFT control on mean accuracy over all test rows, "
+    "exact McNemar p < 0.05",
+    "depth_follows_difficulty": "Spearman(per-example d̄, level) >= 0.3 or Spearman(per-token depth, SFT control's "
+    "token loss) >= 0.3",
+}
+
+
+def test_rows(script, splits) -> tuple[list[dict], list[int]]:
+    """The report's rows (test splits only, at most ``--eval_n`` per level) and the training levels."""
+    from .recipe import parse_levels
+
+    rows = [dict(r) for name in ("eval", "eval_interp", "eval_extrap") if name in splits for r in splits[name]]
+    wanted = parse_levels(script.eval_levels)
+    per_level: dict[int, list] = {}
+    for r in rows:
+        lv = int(r["difficulty"])
+        if wanted is not None and lv not in wanted:
+            continue
+        bucket = per_level.setdefault(lv, [])
+        if script.eval_n is None or len(bucket) < script.eval_n:
+            bucket.append(r)
+    train_levels = sorted({int(x) for x in splits["train"]["difficulty"]})
+    return [r for lv in sorted(per_level) for r in per_level[lv]], train_levels
+
+
+def _level(entry: dict, lv) -> dict:
+    levels = entry.get("levels", {})
+    return levels.get(lv) or levels.get(str(lv)) or {}
+
+
+def summarize(results: dict, task: str, train_levels: list[int], models: list[str]) -> dict[str, Any]:
+    """The per-level table, paired tests and depth figures of ``summary.json`` from ``evaluate``'s results."""
+    tasks = {m: results["models"][m]["tasks"][task] for m in models}
+    levels = sorted({int(lv) for e in tasks.values() for lv in e.get("levels", {})})
+    table = {}
+    for lv in levels:
+        row: dict[str, Any] = {"split": "train" if lv in train_levels else "held_out"}
+        for m in models:
+            L = _level(tasks[m], lv)
+            row[m] = {k: L.get(k) for k in ("accuracy", "accuracy_ci", "n", "mean_depth", "layers_per_token",
+                                            "flops_per_token", "cost_exec")
+                      if L.get(k) is not None}
+        table[str(lv)] = row
+    out: dict[str, Any] = {"levels": table}
+    looped = tasks["looped"]
+    overall = looped.get("overall", {})
+    out["looped_mean_depth"] = overall.get("mean_depth")
+    out["spearman_depth_vs_level"] = overall.get("depth_difficulty_spearman")
+    td = looped.get("token_difficulty") or {}
+    out["spearman_token_depth_vs_control_loss"] = td.get("spearman")
+    out["token_difficulty"] = td
+    comps = (results.get("comparisons") or {}).get(task, {})
+    out["paired_tests"] = {
+        other: {k: c.get(k) for k in ("all", "train", "held_out") if c.get(k) is not None}
+        for other, c in comps.items()
+    }
+    out["mean_accuracy"] = {}
+    for m in models:
+        accs = [(_level(tasks[m], lv).get("accuracy"), _level(tasks[m], lv).get("n")) for lv in levels]
+        n = sum(k or 0 for _, k in accs)
+        out["mean_accuracy"][m] = {
+            "all_rows": sum((a or 0) * (k or 0) for a, k in accs) / n if n else None,
+            "train_levels": _mean([a for (a, _), lv in zip(accs, levels) if lv in train_levels]),
+        }
+    return out
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def check_targets(summary: dict) -> dict[str, dict]:
+    """Whether this run met each of ``TARGETS`` (never tuned on: the figures are the test rows')."""
+    acc = summary["mean_accuracy"]
+    sft = acc.get("sft", {})
+    out = {}
+    if sft:
+        v = sft.get("train_levels")
+        out["control_learns"] = {"value": v, "met": v is not None and v >= 0.40}
+        test = (summary["paired_tests"].get("sft") or {}).get("all") or {}
+        diff, p = test.get("difference"), test.get("mcnemar_p")
+        out["looped_beats_control"] = {"difference": diff, "mcnemar_p": p,
+                                       "met": diff is not None and p is not None and diff > 0 and p < 0.05}
+    r1, r2 = summary.get("spearman_depth_vs_level"), summary.get("spearman_token_depth_vs_control_loss")
+    r1v = r1.get("rho") if isinstance(r1, dict) else r1
+    r2v = r2.get("rho") if isinstance(r2, dict) else r2
+    out["depth_follows_difficulty"] = {
+        "spearman_example_depth_vs_level": r1v, "spearman_token_depth_vs_control_loss": r2v,
+        "met": any(v is not None and v == v and v >= 0.3 for v in (r1v, r2v)),
+    }
+    for k, v in out.items():
+        v["claim"] = TARGETS[k]
+    return out
+
+
+def main_job_report(looped, tokenizer, pristine, controls: dict, out: Path, script, loop_args, identity_err,
+                    t_start: float, timings: dict, trainer=None) -> dict:
+    """Evaluate, export and summarize (see the module docstring). Returns the summary dict."""
+    from .checkpointing import write_json_atomic
+    from .evaluation import evaluate
+    from .evaluation.options import EvalOptions
+    from .export import export_model
+    from .recipe import task_splits
+
+    splits = task_splits(script)
+    rows, train_levels = test_rows(script, splits)
+    looped.eval()
+    compare = [(name, c.model, tokenizer) for name, c in controls.items()]
+    compare.append(("base", pristine, tokenizer))
+    names = ["looped", *[c[0] for c in compare]]
+    opts = EvalOptions(
+        accuracy="teacher_forced_argmax", forced_depths=True, exit_policies=False, policy_generation=False,
+        difficulty_reference="sft" if "sft" in controls else None, html_samples=2,
+    )
+    t_eval = time.time()
+    results = evaluate(
+        looped, tokenizer, tasks=script.task, rows={script.task: rows}, out_dir=out / "report", name="looped",
+        compare=compare, train_levels=train_levels, options=opts, print_summary=True,
+        config={"identity_at_init_max_abs_diff": identity_err, "loop": looped.loop.to_dict(),
+                "controls": list(controls), "test_rows_per_level": script.eval_n or script.n_eval},
+    )
+    timings["evaluation_s"] = round(time.time() - t_eval, 1)
+    write_json_atomic(out / "final" / "retrofit_eval.json", results, default=str)  # feeds the model card
+    t_exp = time.time()
+    export_model(looped, out / "export", tokenizer=tokenizer, overwrite=True)
+    timings["export_s"] = round(time.time() - t_exp, 1)
+
+    summary: dict[str, Any] = {
+        "wall_time_s": round(time.time() - t_start, 1),
+        "timings_s": timings,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "identity_at_init_max_abs_diff": identity_err,
+        "task": script.task,
+        "train_levels": train_levels,
+        "models": names,
+        "loop": looped.loop.to_dict(),
+        **summarize(results, script.task, train_levels, names),
+    }
+    summary["targets"] = check_targets(summary)
+    summary["outputs"] = {"checkpoint": str(out / "final"), "export": str(out / "export"), "report": str(out / "report"),
+                          **{f"control_{k}": str(c.path) for k, c in controls.items()}}
+    write_json_atomic(out / "summary.json", summary, default=str)
+    _print_summary(summary)
+    return summary
+
+
+def _print_summary(summary: dict) -> None:
+    lines = [f"main job: {summary['task']}, wall {summary['wall_time_s']:.0f} s, peak RSS {summary['peak_rss_mb']} MB"]
+    for name, t in summary["targets"].items():
+        lines.append(f"  [{'met' if t['met'] else 'NOT met'}] {t['claim']}: "
+                     + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items()
+                                 if k not in ("claim", "met")))
+    print("\n".join(lines))
