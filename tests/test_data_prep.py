@@ -442,103 +442,39 @@ def test_cli(tmp_path, capsys):
 
 
 GOOD_ROWS = [
-    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
     {"prompt": "2+2=", "completion": "4"},
     {"prompt": "+ 1 2 =", "answer": "3", "difficulty": 1, "task": "mano"},
 ]
 
-BAD_ROWS = {
-    "not_a_dict": ["just a string", "must be a dict"],
-    "missing_columns": [{"question": "q", "response": "r"}, "need 'messages', or 'prompt' \\+ 'completion'"],
-    "bad_messages": [{"messages": [{"role": "user", "content": "no reply"}]}, "must have role 'assistant'"],
-    "unknown_role": [
-        {"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]},
-        "unknown role 'bot'; allowed roles: system, user, assistant, tool",
-    ],
-    "non_string_content": [
-        {"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "y"}]},
-        "content must be a string",
-    ],
-    "empty_completion": [{"prompt": "p", "completion": "   "}, "is empty"],
-}
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_to_sft_dataset_is_the_training_formatter(chat):
+    """data_prep.chat.to_sft_dataset is an alias: the same rows and report as retrofit.training's formatter."""
+    from retrofit.training import format_sft_dataset
+
+    task_rows = build_dataset("mano", [2, 3], 3, seed=0).to_list()
+    for rows in (task_rows, [GOOD_ROWS[0], {"prompt": "p", "completion": "   "}, {"prompt": "q", "completion": "r"}]):
+        ds, report = to_sft_dataset(rows, chat=chat)
+        ref, ref_report = format_sft_dataset(datasets.Dataset.from_list(rows), chat=chat)
+        assert ds.to_list() == ref.to_list() and report == ref_report
+    assert report == {"rows": 3, "kept": 2, "empty_completion": 1, "malformed": 0}
+    first = ds[0]
+    if chat:
+        assert first["prompt"] == [{"role": "user", "content": "2+2="}]
+        assert first["completion"] == [{"role": "assistant", "content": "4"}]
+    else:
+        assert (first["prompt"], first["completion"]) == ("2+2=", "4")
 
 
-@pytest.mark.parametrize("reason", sorted(BAD_ROWS))
-def test_chat_bad_row_raises(reason):
-    row, pattern = BAD_ROWS[reason]
-    with pytest.raises(DataError, match=pattern) as e:
-        to_sft_dataset(GOOD_ROWS + [row])
-    assert e.value.reason == reason and e.value.row_index == 3
-    assert str(e.value).startswith("row 3:")
+def test_to_sft_dataset_missing_columns_is_a_clear_error():
+    from retrofit.training import BadDataError
 
-
-def test_chat_skip_mode_counts_reasons(caplog):
-    rows = GOOD_ROWS + [row for row, _ in BAD_ROWS.values()] + [BAD_ROWS["unknown_role"][0]]
-    with caplog.at_level(logging.WARNING, logger="data_prep.chat"):
-        ds, report = to_sft_dataset(rows, on_bad_row="skip")
-    assert len(ds) == 3 and report["rows_in"] == len(rows) and report["rows_out"] == 3
-    assert report["skipped"] == {r: (2 if r == "unknown_role" else 1) for r in BAD_ROWS}
-    assert "skipping bad row" in caplog.text
-
-
-def test_chat_formats():
-    ds, report = to_sft_dataset(GOOD_ROWS[1:])
-    assert report["format"] == "standard" and ds.to_list() == [
-        {"prompt": "2+2=", "completion": "4"},
-        {"prompt": "+ 1 2 =", "completion": "3"},
-    ]
-    ds, report = to_sft_dataset(GOOD_ROWS)
-    assert report["format"] == "conversational"
-    assert ds[0] == {
-        "prompt": [{"role": "user", "content": "hi"}],
-        "completion": [{"role": "assistant", "content": "hello"}],
-    }
-    assert ds[2]["completion"] == [{"role": "assistant", "content": "3"}]
-
-
-@pytest.fixture
-def toy_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "<eos>": 1}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>")
-
-
-def test_chat_with_tokenizer(toy_tokenizer):
-    # no chat template: plain strings, conversations flattened
-    ds, report = to_sft_dataset(GOOD_ROWS, tokenizer=toy_tokenizer)
-    assert report["format"] == "standard" and not report["chat_template_applied"]
-    assert ds[0] == {"prompt": "user: hi\nassistant: ", "completion": "hello"}
-    toy_tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-    )
-    ds, report = to_sft_dataset(GOOD_ROWS, tokenizer=toy_tokenizer)
-    assert report["chat_template_applied"]
-    assert ds[1] == {"prompt": "<|user|> 2+2= <eos>\n<|assistant|> ", "completion": "4 <eos>\n"}
-    long_row = {"prompt": " ".join(["w"] * 50), "completion": "x"}
-    with pytest.raises(DataError, match="row 3: .* exceeds max_length=20") as e:
-        to_sft_dataset(GOOD_ROWS + [long_row], tokenizer=toy_tokenizer, max_length=20)
-    assert e.value.reason == "too_long"
-    ds, report = to_sft_dataset(GOOD_ROWS + [long_row], tokenizer=toy_tokenizer, max_length=20, on_bad_row="skip")
-    assert len(ds) == 3 and report["skipped"] == {"too_long": 1}
-    with pytest.raises(ValueError, match="needs a tokenizer"):
-        to_sft_dataset(GOOD_ROWS, max_length=20)
-    # a template that rejects a conversation is reported per row, not as a jinja traceback
-    toy_tokenizer.chat_template = (
-        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}"
-        + toy_tokenizer.chat_template
-    )
-    system_first = {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "y"}]}
-    with pytest.raises(DataError, match="row 3: the tokenizer's chat template rejected") as e:
-        to_sft_dataset(GOOD_ROWS + [system_first], tokenizer=toy_tokenizer)
-    assert e.value.reason == "chat_template_error"
+    with pytest.raises(BadDataError, match="lacks column"):
+        to_sft_dataset([{"question": "q", "response": "r"}])
 
 
 def test_chat_load_sources(tmp_path):
-    rows = [GOOD_ROWS[0], {"messages": GOOD_ROWS[0]["messages"] * 2}]
+    rows = [GOOD_ROWS[0], {"prompt": "a b", "completion": "c"}]
     write_jsonl(rows, tmp_path / "a.jsonl")
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "a.parquet"))
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
@@ -547,7 +483,7 @@ def test_chat_load_sources(tmp_path):
     for src in ["a.jsonl", "a.parquet", "saved", "saved_dict"]:
         assert load_rows(tmp_path / src) == rows, src
         ds, report = to_sft_dataset(str(tmp_path / src))
-        assert ds.to_list() == expected.to_list() and report["rows_out"] == 2
+        assert ds.to_list() == expected.to_list() and report["kept"] == 2
     assert load_rows(datasets.Dataset.from_list(rows)) == rows
     (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n{not json\n")
     with pytest.raises(DataError, match=r"bad.jsonl:2: invalid JSON"):

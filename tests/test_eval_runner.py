@@ -1,4 +1,4 @@
-"""``retrofit eval`` (retrofit/evaluation/runner.py) and its per-token analyses (analysis.py).
+"""``retrofit eval`` (the retrofit/evaluation/ package) and its per-token analyses (analysis.py).
 
 Unit tests check each alignment and policy computation on constructed inputs (hand-worked or
 against a slow reference); the end-to-end test runs the CLI on a tiny random looped checkpoint
@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from retrofit.evaluation import analysis as A
+from retrofit.evaluation import cli as C
 from retrofit.evaluation import runner as R
+from retrofit.evaluation.models import model_info, pad_id
+from retrofit.evaluation.options import EvalOptions
+from retrofit.evaluation.policies import engine_exit_policies
+from retrofit.evaluation.rows import prepare
+from retrofit.evaluation.teacher_forced import policy_pass, teacher_forced
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -33,7 +39,10 @@ def _looped(max_depth=3, method="tah2", seed=1):
     import retrofit
     from retrofit.testing import tiny_base
 
-    m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=max_depth, method=method)).eval()
+    # the heads' init draws from the global RNG, whose seed differs per process: fix it
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=max_depth, method=method)).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         m.updater.w2.weight.copy_(torch.randn(m.updater.w2.weight.shape, generator=g) * 0.5)
@@ -119,9 +128,9 @@ def _lano_rows(n=6):
 def test_lano_spearman_alignment_planted(tok):
     """Depth planted on each terminal's first token = its parser_work: Spearman must be exactly 1;
     whitespace tokens get junk depths that alignment must ignore."""
-    opts = R._Options()
+    opts = EvalOptions()
     rows = _lano_rows()
-    examples = R._prepare(rows, tok, opts)
+    examples = prepare(rows, tok, opts)
     word_depths, feats = [], []
     rng = np.random.default_rng(0)
     for e in examples:
@@ -145,7 +154,7 @@ def test_brevo_regression_alignment_planted(tok):
     from data_prep.tasks import build_dataset
 
     rows = build_dataset("brevo", [6, 8, 10], 8, seed=0).to_list()
-    examples = R._prepare(rows, tok, R._Options())
+    examples = prepare(rows, tok, EvalOptions())
     coef = {"hub_out_degree": 0.3, "dfs_depth": -0.2, "frontier_size": 0.5, "newly_enabled": 0.1}
     word_depths = []
     for e in examples:
@@ -239,8 +248,6 @@ def test_calibrate_threshold_vs_bruteforce(rule):
 
 @pytest.mark.parametrize("backend", ["loop", "generate"])
 def test_greedy_generate_batched_equals_one_by_one(looped, tok, backend):
-    if backend == "generate" and not R._has_looped_generate():
-        pytest.skip("the engine has no cached generate for looped models yet")
     prompts = [tok(p)["input_ids"] for p in ["+ 1 2 =", "* + 3 4 5 =", "7 =", "- 9 * 2 2 ="]]
     batched = R.greedy_generate(looped, tok, prompts, 6, batch_size=4, backend=backend)
     depths_seen = set()
@@ -269,14 +276,12 @@ def test_greedy_generate_batched_equals_one_by_one(looped, tok, backend):
 def test_generation_backends_agree(looped, tok):
     """The model's cached generate and the no-cache reference loop: same tokens and depths, under
     the decider, a forced depth and a training-free exit, and for a base model."""
-    if not R._has_looped_generate():
-        pytest.skip("the engine has no cached generate for looped models yet")
     from retrofit.testing import tiny_base
 
     prompts = [tok(p)["input_ids"] for p in ["+ 1 2 =", "* + 3 4 5 =", "7 =", "- 9 * 2 2 =", "+ + 1 1 1 ="]]
     cases = [{}, {"depth": 1}, {"alignment": "input"}]
-    if "kl" in R._engine_exit_policies():
-        cases.append({"exit_policy": "kl", "exit_threshold": 0.05})
+    assert "kl" in engine_exit_policies()
+    cases.append({"exit_policy": "kl", "exit_threshold": 0.05})
     for kw in cases:
         a = R.greedy_generate(looped, tok, prompts, 8, batch_size=3, backend="loop", **kw)
         b = R.greedy_generate(looped, tok, prompts, 8, batch_size=3, backend="generate", **kw)
@@ -291,10 +296,10 @@ def test_teacher_forced_matches_unbatched_reference(looped, tok):
     from data_prep.tasks import build_dataset
 
     rows = build_dataset("mano", [2, 5], 2, seed=1).to_list()
-    opts = R._Options(batch_size=4, progress=False)
-    examples = R._prepare(rows, tok, opts)
-    info = R._model_info(looped)
-    tf = R._teacher_forced(looped, info, examples, R._pad_id(tok), opts, "tf")
+    opts = EvalOptions(batch_size=4, progress=False)
+    examples = prepare(rows, tok, opts)
+    info = model_info(looped)
+    tf = teacher_forced(looped, info, examples, pad_id(tok), opts, "tf")
     D = info.max_depth
     for e, t in zip(examples, tf):
         ids = torch.tensor([e.prompt_ids + e.answer_ids])
@@ -324,18 +329,17 @@ def test_teacher_forced_matches_unbatched_reference(looped, tok):
 def test_exact_policy_pass_extremes_match_forced_depths(tok):
     """The engine's exact exit pass at the two extreme thresholds equals the forced-depth frame:
     τ → 0 runs every token to D, τ → ∞ stops every token at 2 (= forced depth 2)."""
-    if "kl" not in R._engine_exit_policies():
-        pytest.skip("the engine has no training-free exits yet")
+    assert {"kl", "state"} <= set(engine_exit_policies())
     from data_prep.tasks import build_dataset
 
     model = _looped(method="fixed")
     rows = build_dataset("mano", [3], 3, seed=2).to_list()
-    opts = R._Options(batch_size=2, progress=False)
-    examples = R._prepare(rows, tok, opts)
-    info = R._model_info(model)
-    tf = R._teacher_forced(model, info, examples, R._pad_id(tok), opts, "tf")
+    opts = EvalOptions(batch_size=2, progress=False)
+    examples = prepare(rows, tok, opts)
+    info = model_info(model)
+    tf = teacher_forced(model, info, examples, pad_id(tok), opts, "tf")
     for tau, d in ((1e-30, 3), (1e30, 2)):
-        exact = R._policy_pass(model, info, examples, R._pad_id(tok), opts, "kl", tau, "kl")
+        exact = policy_pass(model, info, examples, pad_id(tok), opts, "kl", tau, "kl")
         for (depth, correct), t in zip(exact, tf):
             assert (depth == d).all()
             np.testing.assert_array_equal(correct, t["correct_d"][:, d - 1])
@@ -358,7 +362,7 @@ def test_evaluate_task_every_method(method, tok):
 
 def test_chat_mode_uses_the_template(looped, tok):
     rows = [{"prompt": "+ 1 2 =", "answer": "3", "difficulty": 1, "task": "mano"}]
-    ex = R._prepare(rows, tok, R._Options(chat=True))[0]
+    ex = prepare(rows, tok, EvalOptions(chat=True))[0]
     assert tok.decode(ex.prompt_ids) == "<|im_start|>user\n+ 1 2 =<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(ex.answer_ids) == "3"
     res = R.evaluate_task(looped, tok, "mano", rows=rows, chat=True, max_new_tokens=3, progress=False)
@@ -366,13 +370,13 @@ def test_chat_mode_uses_the_template(looped, tok):
 
 
 def test_levels_arg_parsing():
-    assert R._levels_arg(["3,4,8-10"], "--levels") == [3, 4, 8, 9, 10]
-    assert R._levels_arg(["mano=3,4", "brevo=5-6"], "--levels") == {"mano": [3, 4], "brevo": [5, 6]}
-    assert R._levels_arg(None, "--levels") is None
+    assert C._levels_arg(["3,4,8-10"], "--levels") == [3, 4, 8, 9, 10]
+    assert C._levels_arg(["mano=3,4", "brevo=5-6"], "--levels") == {"mano": [3, 4], "brevo": [5, 6]}
+    assert C._levels_arg(None, "--levels") is None
     with pytest.raises(ValueError, match="cannot parse"):
-        R._levels_arg(["3,x"], "--levels")
+        C._levels_arg(["3,x"], "--levels")
     with pytest.raises(ValueError, match="either one list"):
-        R._levels_arg(["3,4", "mano=5"], "--levels")
+        C._levels_arg(["3,4", "mano=5"], "--levels")
 
 
 def test_task_rows_limit_spreads_over_levels():

@@ -1,0 +1,157 @@
+"""Teacher-forced passes: one forward on ``prompt + gold answer`` per batch of examples.
+
+Deterministic, exact per-token depths, cheap. Per example and answer token ``j`` (``[m]`` arrays):
+
+* ``correct``, ``nll``: next-token argmax correctness and loss at the *producing* position
+  (the position before token j);
+* looped models: ``tok_depth`` (exit depth at the position chosen by ``alignment``),
+  ``tok_exp_depth`` (E[d] from ``depth_probs``; the exit depth for a method without a
+  distribution) and ``pred_depth`` (exit depth at the producing position);
+* with ``per_depth=True`` and D > 1, from one more forward with every token at depth D
+  (``output_depth_logits``, ``output_depth_losses``): ``correct_d`` ``[m, D]``, ``nll_d``
+  ``[m, D]`` and the exit signals ``kl`` / ``state`` ``[m, D-1]``, ``confidence`` ``[m, D]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from . import analysis as A
+from .models import ModelInfo, batches, device, forward, progress_bar
+from .options import EvalOptions
+from .rows import Example
+
+__all__ = ["policy_pass", "teacher_forced"]
+
+# Upper bound for the [D, B, T, V] per-depth logits of one forced-depth forward.
+_DEPTH_LOGITS_BUDGET = 512 * 2**20
+
+
+class _CoreOutputs:
+    """Collects the last core layer's output at every depth of one forward (the state h_d)."""
+
+    def __init__(self, layer):
+        self.outs: list[torch.Tensor] = []
+        self.handle = layer.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, out):
+        self.outs.append((out[0] if isinstance(out, tuple) else out).detach())
+
+    def close(self):
+        self.handle.remove()
+
+
+def tf_batch(examples: Sequence[Example], pad: int, dev):
+    """Left-padded ``prompt + answer`` batch: ``(ids [B, T], mask [B, T], starts)``; ``starts[r]`` is
+    the position of answer token 0 in row r."""
+    from .models import pad_left
+
+    seqs = [e.prompt_ids + e.answer_ids for e in examples]
+    ids, mask = pad_left(seqs, pad, dev)
+    L = ids.shape[1]
+    starts = [L - len(s) + len(e.prompt_ids) for s, e in zip(seqs, examples)]
+    return ids, mask, starts
+
+
+def _length_order(examples: Sequence[Example]) -> list[int]:
+    return sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].answer_ids))
+
+
+@torch.no_grad()
+def teacher_forced(
+    model, info: ModelInfo, examples: list[Example], pad: int, opts: EvalOptions, desc: str, per_depth: bool = True
+) -> list[dict[str, np.ndarray]]:
+    """The adaptive forward (+ the depth-D forward when ``per_depth``) on prompt + gold answer.
+
+    Returns:
+        Per example a dict of numpy arrays over its answer tokens (keys: module docstring).
+    """
+    dev = device(model)
+    D = info.max_depth
+    res: list[dict[str, np.ndarray] | None] = [None] * len(examples)
+    for chunk in progress_bar(list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"):
+        exs = [examples[i] for i in chunk]
+        ids, mask, starts = tf_batch(exs, pad, dev)
+        out = forward(model, info, ids, mask)
+        logits = out.logits.float()
+        depths = out.depths if info.looped else None
+        probs = out.depth_probs if info.looped else None
+        for r, (i, e) in enumerate(zip(chunk, exs)):
+            m = len(e.answer_ids)
+            s = starts[r]
+            pred = torch.arange(m, device=dev) + s - 1  # producing positions
+            gold = torch.as_tensor(e.answer_ids, device=dev)
+            lp = logits[r, pred].log_softmax(-1)
+            d: dict[str, np.ndarray] = {
+                "correct": (lp.argmax(-1) == gold).cpu().numpy(),
+                "nll": (-lp.gather(-1, gold[:, None])[:, 0]).cpu().numpy(),
+            }
+            if info.looped:
+                tok = torch.as_tensor(A.answer_positions(s, m, opts.alignment), device=dev)
+                d["tok_depth"] = depths[r, tok].cpu().numpy()
+                d["tok_exp_depth"] = A.expected_depth_or_exit(
+                    probs[r, tok] if probs is not None else None, depths[r, tok]
+                )
+                d["pred_depth"] = depths[r, pred].cpu().numpy()
+            res[i] = d
+        if per_depth and info.looped and D > 1:
+            T = ids.shape[1]
+            V = logits.shape[-1]
+            sub = max(1, int(_DEPTH_LOGITS_BUDGET // max(1, D * T * V * 4)))
+            for j in range(0, len(chunk), sub):
+                part = list(range(j, min(j + sub, len(chunk))))
+                _forced_depth_pass(model, info, [exs[p] for p in part], [chunk[p] for p in part], pad, res)
+    return res  # type: ignore[return-value]
+
+
+def _forced_depth_pass(model, info: ModelInfo, exs, idxs, pad, res) -> None:
+    """One forward with every token at depth D: per-depth NLL, correctness and exit signals."""
+    dev = device(model)
+    D = info.max_depth
+    ids, mask, starts = tf_batch(exs, pad, dev)
+    labels = torch.full_like(ids, -100)
+    for r, (e, s) in enumerate(zip(exs, starts)):
+        labels[r, s : s + len(e.answer_ids)] = torch.as_tensor(e.answer_ids, device=dev)
+    hook = _CoreOutputs(model.core_layers[-1])
+    try:
+        out = forward(
+            model, info, ids, mask, depth=D, labels=labels, output_depth_logits=True, output_depth_losses=True
+        )
+    finally:
+        hook.close()
+    states = torch.stack(hook.outs) if len(hook.outs) == D else None  # [D, B, T, H]
+    for r, (i, e, s) in enumerate(zip(idxs, exs, starts)):
+        m = len(e.answer_ids)
+        pred = torch.arange(m, device=dev) + s - 1
+        gold = torch.as_tensor(e.answer_ids, device=dev)
+        z = out.depth_logits[:, r, pred].float()  # [D, m, V]
+        d = res[i]
+        d["correct_d"] = (z.argmax(-1) == gold[None]).transpose(0, 1).cpu().numpy()  # [m, D]
+        # depth_nll[b, t, d] is the loss of predicting token t+1 (the label at t+1) at depth d
+        d["nll_d"] = out.depth_nll[r, pred].float().cpu().numpy()  # [m, D]
+        d["kl"] = A.kl_signals(z).cpu().numpy()
+        d["confidence"] = A.confidence_signals(z).cpu().numpy()
+        if states is not None:
+            d["state"] = A.state_change_signals(states[:, r, pred]).cpu().numpy()
+
+
+@torch.no_grad()
+def policy_pass(model, info: ModelInfo, examples, pad, opts: EvalOptions, policy: str, threshold: float, desc: str):
+    """Teacher-forced forward with an engine exit policy: per example ``(depth [m], correct [m])``."""
+    dev = device(model)
+    out_list: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(examples)
+    for chunk in progress_bar(list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"):
+        exs = [examples[i] for i in chunk]
+        ids, mask, starts = tf_batch(exs, pad, dev)
+        out = forward(model, info, ids, mask, exit_policy=policy, exit_threshold=threshold)
+        for r, (i, e) in enumerate(zip(chunk, exs)):
+            pred = torch.arange(len(e.answer_ids), device=dev) + starts[r] - 1
+            gold = torch.as_tensor(e.answer_ids, device=dev)
+            out_list[i] = (
+                out.depths[r, pred].cpu().numpy(),
+                (out.logits[r, pred].argmax(-1) == gold).cpu().numpy(),
+            )
+    return out_list
