@@ -429,15 +429,16 @@ def test_cli_end_to_end_writes_every_artifact(checkpoint, tmp_path, capsys):
         "eval", "--model", str(checkpoint), "--task", "mano,brevo", "--task", "lano",
         "--levels", "mano=3,4", "--levels", "brevo=4,6", "--levels", "lano=8,9",
         "--n", "3", "--limit", "4", "--out", str(out), "--quiet", "--name", "looped",
-        "--compare", "tiny-llama", "--compare-name", "base", "--html-samples", "1",
+        "--compare", "tiny-llama=base", "tiny-qwen3=qwen", "--html-samples", "1",
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "looped" in printed and "mano" in printed  # the summary table
 
     results = json.loads((out / "results.json").read_text())
-    assert set(results) == {"config", "models"}
-    assert set(results["models"]) == {"looped", "base"}
+    assert set(results) == {"config", "models", "comparisons"}
+    assert set(results["models"]) == {"looped", "base", "qwen"}
+    assert results["config"]["token_difficulty_reference"] == "base"  # the first compared plain model
     n_tokens_html = 0
     for task in ("mano", "brevo", "lano"):
         t = results["models"]["looped"]["tasks"][task]
@@ -453,6 +454,24 @@ def test_cli_end_to_end_writes_every_artifact(checkpoint, tmp_path, capsys):
         assert set(t["exit_policies"]) >= {"decider", "kl", "state", "confidence"}
         for p in t["exit_policies"].values():
             assert 0.0 <= p["accuracy"] <= 1.0 and 1.0 <= p["mean_depth"] <= 3.0
+            lo, hi = e["accuracy_ci"]
+            assert 0.0 <= lo <= e["accuracy"] <= hi <= 1.0
+            assert e["flops_per_token"] > 0 and e["layers_per_token"] >= 6.0
+        assert {p["label"] for p in t["compute_points"]} >= {1, 2, 3, "adaptive"}
+        # side-by-side comparisons: looped vs each other model on the same rows
+        for other in ("base", "qwen"):
+            comp = results["comparisons"][task][other]
+            assert (comp["a"], comp["b"]) == ("looped", other)
+            assert set(comp["levels"]) == set(t["levels"])
+            for lvl, c in comp["levels"].items():
+                assert c["n"] == t["levels"][lvl]["n"] == c["both_right"] + c["a_only"] + c["b_only"] + c["both_wrong"]
+                assert c["accuracy_a"] == pytest.approx(t["levels"][lvl]["accuracy"])
+                other_level = results["models"][other]["tasks"][task]["levels"][lvl]
+                assert c["accuracy_b"] == pytest.approx(other_level["accuracy"])
+                assert 0.0 < c["mcnemar_p"] <= 1.0 and 0.0 < c["bootstrap"]["p_value"] <= 1.0
+            assert comp["all"]["n"] == 4
+        td = t["token_difficulty"]
+        assert td["reference"] == "base" and td["easy"]["n"] + td["hard"]["n"] == td["n_tokens"] > 0
         lc = t["loss_change"]
         assert lc["n"] > 0 and sum(lc["counts"]) == lc["n"]
         assert lc["share_unchanged"] + lc["share_worse"] + lc["share_improved"] == pytest.approx(1.0)
@@ -460,7 +479,8 @@ def test_cli_end_to_end_writes_every_artifact(checkpoint, tmp_path, capsys):
         assert base["looped"] is False and "mean_depth" not in next(iter(base["levels"].values()))
         for model in results["models"].values():
             n_tokens_html += sum(len(s["tokens"]) for s in model["tasks"][task]["samples"])
-        for suffix in ("depth_vs_difficulty", "accuracy_vs_difficulty", "accuracy_vs_compute", "loss_change"):
+        for suffix in ("depth_vs_difficulty", "accuracy_vs_difficulty", "accuracy_vs_compute", "loss_change",
+                       "depth_by_token_difficulty"):
             _png_ok(out / f"{task}_{suffix}.png")
     lano = results["models"]["looped"]["tasks"]["lano"]["spearman"]
     assert set(lano) == set(A.LANO_PROXIES) and all(v["n"] > 0 for v in lano.values())
@@ -471,7 +491,9 @@ def test_cli_end_to_end_writes_every_artifact(checkpoint, tmp_path, capsys):
     html = (out / "samples.html").read_text()
     assert html.count('<span class="tok ') == n_tokens_html > 0
     report = (out / "report.md").read_text()
-    for needle in ("## Task: mano", "### Exit policies", "### First-vs-last depth loss change", "Spearman", "R²", "mano_accuracy_vs_compute.png"):
+    for needle in ("## Task: mano", "### Exit policies", "### First-vs-last depth loss change", "Spearman", "R²",
+                   "mano_accuracy_vs_compute.png", "### Paired comparisons", "**looped vs qwen**", "McNemar p",
+                   "### Per-token depth vs difficulty", "MFLOPs/token (base)"):
         assert needle in report
 
 
@@ -486,7 +508,82 @@ def test_evaluate_api_base_model_only(tmp_path, tok):
     res = R.evaluate(tiny_base("llama"), tok, "mano", out_dir=tmp_path, rows={"mano": rows}, progress=False, name="base")
     t = res["models"]["base"]["tasks"]["mano"]
     assert [e["n"] for e in t["levels"].values()] == [1, 1]
-    assert t["compute_points"] == [[6.0, t["overall"]["accuracy"], "base"]]
+    (point,) = t["compute_points"]
+    assert (point["label"], point["layers_per_token"], point["accuracy"]) == ("plain", 6.0, t["overall"]["accuracy"])
+    # 6 layers of q/o 64x64, k/v 64x32 (2 KV heads of 16), gate/up/down 64x128; LM head 104x64; 2 FLOPs per MAC
+    per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128
+    assert point["flops_per_token"] == 2.0 * (6 * per_layer + 104 * 64)
     assert (tmp_path / "mano_accuracy_vs_difficulty.png").exists()
     assert not (tmp_path / "mano_depth_vs_difficulty.png").exists()
     assert (tmp_path / "report.md").exists() and (tmp_path / "samples.html").exists()
+
+
+def test_evaluate_several_models_token_difficulty_vs_bruteforce(looped, tok):
+    """compare=[(name, model, tok), ...]: paired comparisons against each, and the per-token analysis
+    equals one recomputed token by token (looped depth at the producing position vs the reference's
+    unbatched teacher-forced loss)."""
+    from retrofit.testing import tiny_base
+
+    from retrofit.evaluation.token_difficulty import depth_vs_token_difficulty
+
+    rows = R.task_rows("mano", [2, 4], n=3, seed=5)
+    sft, base = tiny_base("llama", seed=1), tiny_base("llama", seed=2)
+    res = R.evaluate(
+        looped, tok, "mano", rows={"mano": rows}, name="looped", compare=[("sft", sft, tok), ("base", base)],
+        progress=False, forced_depths=False, exit_policies=False, bootstrap_samples=200,
+    )
+    assert list(res["models"]) == ["looped", "sft", "base"] and set(res["comparisons"]["mano"]) == {"sft", "base"}
+    td = res["models"]["looped"]["tasks"]["mano"]["token_difficulty"]
+    assert td["reference"] == "sft"
+    depths, losses = [], []
+    for r in rows:
+        ex = prepare([r], tok, EvalOptions())[0]
+        ids = torch.tensor([ex.prompt_ids + ex.answer_ids])
+        P, m = len(ex.prompt_ids), len(ex.answer_ids)
+        with torch.no_grad():
+            d = looped(ids).depths[0, P - 1 : P - 1 + m]
+            logp = sft(ids).logits[0, P - 1 : P - 1 + m].log_softmax(-1)
+        nll = -logp[torch.arange(m), torch.tensor(ex.answer_ids)]
+        keep = torch.as_tensor(ex.content)
+        depths += d[keep].tolist()
+        losses += nll[keep].tolist()
+    ref = depth_vs_token_difficulty(depths, losses, max_depth=3)
+    assert td["n_tokens"] == ref["n_tokens"] == len(depths)
+    assert td["easy"]["depth_counts"] == ref["easy"]["depth_counts"]
+    assert td["hard"]["depth_counts"] == ref["hard"]["depth_counts"]
+    assert td["median_loss"] == pytest.approx(ref["median_loss"], abs=1e-5)
+    # choosing the reference, and bad names
+    res = R.evaluate(looped, tok, "mano", rows={"mano": rows[:2]}, compare=[("sft", sft, tok), ("base", base, tok)],
+                     progress=False, forced_depths=False, exit_policies=False, difficulty_reference="base",
+                     bootstrap_samples=50)
+    assert res["models"]["model"]["tasks"]["mano"]["token_difficulty"]["reference"] == "base"
+    with pytest.raises(ValueError, match="not a model of this run"):
+        R.evaluate(looped, tok, "mano", rows={"mano": rows[:1]}, compare=[("sft", sft, tok)], difficulty_reference="x")
+    with pytest.raises(ValueError, match="used more than once: sft"):
+        R.evaluate(looped, tok, "mano", rows={"mano": rows[:1]}, compare=[("sft", sft, tok), ("sft", base, tok)])
+    # the older single form: compare=(model, tokenizer) named compare_name
+    res = R.evaluate(looped, tok, "mano", rows={"mano": rows[:2]}, compare=(base, tok), compare_name="base",
+                     progress=False, forced_depths=False, exit_policies=False, bootstrap_samples=50)
+    assert list(res["models"]) == ["model", "base"] and list(res["comparisons"]["mano"]) == ["base"]
+
+
+def test_eval_options_validation_and_overrides():
+    from retrofit.evaluation.options import resolve_options
+
+    for bad, match in (
+        ({"batch_size": 0}, "batch_size must be a positive int"),
+        ({"alignment": "middle"}, "alignment must be one of"),
+        ({"backend": "vllm"}, "backend must be one of"),
+        ({"confidence": 1.5}, "confidence must be"),
+        ({"max_new_tokens": -1}, "None \\(automatic\\) or a positive int"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            EvalOptions(**bad)
+    opts = resolve_options(EvalOptions(batch_size=3), {"forced_generation": False, "chat": True})
+    assert (opts.batch_size, opts.forced_depths, opts.chat) == (3, False, True)
+    with pytest.raises(TypeError, match="unknown evaluation option 'bogus'; allowed: .*batch_size"):
+        resolve_options(None, {"bogus": 1})
+    assert C._compare_specs(["a/b=sft", "smollm2"], None) == [("a/b", "sft"), ("smollm2", "smollm2")]
+    assert C._compare_specs(["x"], "base") == [("x", "base")]
+    with pytest.raises(ValueError, match="single --compare"):
+        C._compare_specs(["x", "y"], "base")

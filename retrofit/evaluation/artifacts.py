@@ -22,8 +22,9 @@ def write_artifacts(results: Mapping[str, Any], out_dir: str | os.PathLike) -> d
 
     Everything is drawn from ``results`` alone, so a saved ``results.json`` can be re-rendered.
     Per task: ``{task}_depth_vs_difficulty.png`` (looped models only), ``{task}_accuracy_vs_difficulty.png``
-    (training levels shaded), ``{task}_accuracy_vs_compute.png`` (x = decoder-layer passes per
-    generated token: prelude + core·d + coda) and ``{task}_loss_change.png`` (looped, D > 1).
+    (training levels shaded), ``{task}_accuracy_vs_compute.png`` (every model; x = matmul MFLOPs per
+    generated token, error bars = accuracy intervals), ``{task}_loss_change.png`` (looped, D > 1) and
+    ``{task}_depth_by_token_difficulty.png`` (looped models with a difficulty reference).
 
     Returns:
         ``{artifact: path}``.
@@ -32,6 +33,7 @@ def write_artifacts(results: Mapping[str, Any], out_dir: str | os.PathLike) -> d
     from .plots import (
         plot_accuracy_vs_compute,
         plot_accuracy_vs_difficulty,
+        plot_depth_by_token_difficulty,
         plot_depth_vs_difficulty,
         plot_loss_change_histogram,
     )
@@ -71,13 +73,21 @@ def write_artifacts(results: Mapping[str, Any], out_dir: str | os.PathLike) -> d
             xlabel=xlabel,
         )
         plots[f"{task}: accuracy vs difficulty"] = p
+        points, unit = _compute_points(per)
         p = plot_accuracy_vs_compute(
-            {mn: [tuple(x) for x in t.get("compute_points", [])] for mn, t in per.items()},
+            points,
             out / f"{task}_accuracy_vs_compute.png",
-            title=f"{task}: accuracy vs compute (lines: forced depth; stars: adaptive)",
-            xlabel="decoder-layer passes per generated token",
+            title=f"{task}: accuracy vs compute\n(lines: forced depth; stars: each model's own exits; bars: intervals)",
+            xlabel=unit,
         )
         plots[f"{task}: accuracy vs compute"] = p
+        td = {mn: t["token_difficulty"] for mn, t in per.items() if t.get("token_difficulty")}
+        if td:
+            p = plot_depth_by_token_difficulty(
+                td, out / f"{task}_depth_by_token_difficulty.png",
+                title=f"{task}: exit depth of easy vs hard answer tokens\n(split at the median loss of the reference)",
+            )
+            plots[f"{task}: depth of easy vs hard tokens"] = p
         lc = {mn: t["loss_change"] for mn, t in per.items() if t.get("loss_change") and t["loss_change"].get("n")}
         if lc:
             p = plot_loss_change_histogram(
@@ -99,3 +109,23 @@ def write_artifacts(results: Mapping[str, Any], out_dir: str | os.PathLike) -> d
         )
     paths["report"] = write_markdown_report(results, out / "report.md", plots=plots)
     return paths
+
+
+def _compute_points(per: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, list], str]:
+    """Plot points ``{model: [(MFLOPs per token, accuracy, label, interval)]}`` and the x-axis label.
+
+    Results written before compute points carried FLOPs hold ``[layers, accuracy, label]`` lists;
+    those are drawn against layer passes.
+    """
+    points: dict[str, list] = {}
+    flops = all(isinstance(p, Mapping) for t in per.values() for p in t.get("compute_points", []))
+    for mn, t in per.items():
+        pts = []
+        for p in t.get("compute_points", []):
+            if isinstance(p, Mapping):
+                pts.append((p["flops_per_token"] / 1e6, p["accuracy"], p["label"], p.get("accuracy_ci")))
+            elif not flops:
+                pts.append(tuple(p))
+        points[mn] = pts
+    unit = "matmul MFLOPs per generated token" if flops else "decoder-layer passes per generated token"
+    return points, unit

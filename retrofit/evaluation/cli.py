@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "examples:\n"
         "  retrofit eval --model out/looped --task mano --levels 3-8,12,16,20 --n 50 --out eval/\n"
-        "  retrofit eval --model out/looped --compare smollm2 --task mano,brevo --limit 40\n"
+        "  retrofit eval --model out/looped --compare out/sft=sft smollm2=base --task mano,brevo --limit 40\n"
         "  retrofit eval --model tiny-llama --task lano --levels lano=8,12 --n 5 --out /tmp/ev\n"
         "Tasks: mano, brevo, lano, clrs_sorting, clrs_string_matching, clrs_max_subarray, clrs_bfs, gsm,\n"
         "rg_chain_sum, rg_maze, rg_sudoku, rg_path_star (data_prep.tasks.TASKS)."
@@ -80,23 +81,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="retrofit_eval", help="output folder (default ./retrofit_eval)")
     parser.add_argument("--train-levels", action="append", default=None,
                         help="levels to mark as training levels on plots, same syntax as --levels (default: the task's default_train_levels)")
-    parser.add_argument("--compare", default=None, help="a second model (e.g. the base) evaluated the same way, side by side")
+    parser.add_argument(
+        "--compare", nargs="+", default=None, metavar="MODEL[=NAME]",
+        help="models evaluated the same way on the same rows, side by side (controls, the untrained base): each a "
+        "checkpoint spec as for --model, optionally '=NAME' for its name in the report (default: its folder/file "
+        "name). --model is compared with each by paired tests.",
+    )
     parser.add_argument("--name", default=None, help="name of --model in the report (default: its folder/file name)")
-    parser.add_argument("--compare-name", default=None, help="name of --compare in the report")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="generation budget (default: longest gold answer + 2 tokens)")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help=f"sequences per forward (default {DEFAULT_BATCH_SIZE}; lower it if memory is short)")
-    parser.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template (default: raw prompt continuation)")
-    parser.add_argument("--answer-sep", default=" ", help="text between a raw prompt and its answer (default: one space)")
-    parser.add_argument("--alignment", choices=A.ALIGNMENTS, default="predict",
-                        help="depth of an answer token: of the position that produced it (predict, default) or its own (input)")
-    parser.add_argument("--no-forced-generation", action="store_true", help="skip generating at every forced depth 1..D (saves D generation passes)")
+    parser.add_argument("--compare-name", default=None, help="name of a single --compare model (same as MODEL=NAME)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help=_help("max_new_tokens"))
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help=_help("batch_size"))
+    parser.add_argument("--chat", action="store_true", help=_help("chat"))
+    parser.add_argument("--answer-sep", default=" ", help=_help("answer_sep"))
+    parser.add_argument("--alignment", choices=A.ALIGNMENTS, default=_default("alignment"), help=_help("alignment"))
+    parser.add_argument("--no-forced-generation", "--no-forced-depths", dest="no_forced_depths", action="store_true",
+                        help="skip the forced-depth sweep 1..D (saves D passes)")
+    parser.add_argument("--no-exit-policies", action="store_true", help="skip " + _help("exit_policies")[0].lower()
+                        + _help("exit_policies")[1:])
     parser.add_argument("--no-policy-generation", action="store_true", help="skip generating under the training-free exits")
-    parser.add_argument("--generation-backend", choices=GENERATION_BACKENDS, default="auto",
-                        help="'generate' (the model's cached generate), 'loop' (reference: full forward per step, no cache) or 'auto' (generate when available)")
-    parser.add_argument("--html-samples", type=int, default=2, help="generations per level shown in samples.html (default 2)")
+    parser.add_argument("--generation-backend", choices=GENERATION_BACKENDS, default="auto", help=_help("backend"))
+    parser.add_argument("--difficulty-reference", default=None, metavar="NAME", help=_help("difficulty_reference"))
+    parser.add_argument("--html-samples", type=int, default=2, help=_help("html_samples"))
     parser.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', ...")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="load dtype (default: as stored)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _help(name: str) -> str:
+    """The ``help`` of an ``EvalOptions`` field (one text for the API and the CLI)."""
+    return next(f.metadata["help"] for f in dataclasses.fields(EvalOptions) if f.name == name)
+
+
+def _default(name: str):
+    return next(f.default for f in dataclasses.fields(EvalOptions) if f.name == name)
+
+
+def _compare_specs(values: list[str] | None, compare_name: str | None) -> list[tuple[str, str]]:
+    """``["ckpt/sft=sft", "smollm2"]`` -> ``[("ckpt/sft", "sft"), ("smollm2", "smollm2")]``."""
+    specs = []
+    for v in values or []:
+        spec, sep, nm = v.rpartition("=")
+        if not sep or not nm or not spec:
+            spec, nm = v, _spec_name(v)
+        specs.append((spec, nm))
+    if compare_name is not None:
+        if len(specs) != 1:
+            raise ValueError("--compare-name names a single --compare model; use MODEL=NAME for several")
+        specs = [(specs[0][0], compare_name)]
+    return specs
 
 
 def _spec_name(spec: str) -> str:
@@ -129,20 +161,18 @@ def run(args: argparse.Namespace) -> int:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         name = args.name or _spec_name(args.model)
         model, tok = _load(args.model, device, args.dtype)
-        compare = None
-        compare_name = args.compare_name or (_spec_name(args.compare) if args.compare else "compare")
-        if args.compare:
-            compare = _load(args.compare, device, args.dtype)
+        compare = [(nm, *_load(spec, device, args.dtype)) for spec, nm in _compare_specs(args.compare, args.compare_name)]
         options = EvalOptions(
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, chat=args.chat,
-            answer_sep=args.answer_sep, alignment=args.alignment, forced_depths=not args.no_forced_generation,
-            policy_generation=not args.no_policy_generation, html_samples=args.html_samples,
-            progress=not args.quiet, backend=args.generation_backend,
+            answer_sep=args.answer_sep, alignment=args.alignment, forced_depths=not args.no_forced_depths,
+            exit_policies=not args.no_exit_policies, policy_generation=not args.no_policy_generation,
+            html_samples=args.html_samples, progress=not args.quiet, backend=args.generation_backend,
+            difficulty_reference=args.difficulty_reference,
         )
         results = evaluate(
             model, tok, tasks, levels=levels, n=args.n, seed=args.seed, out_dir=args.out, name=name,
-            compare=compare, compare_name=compare_name, limit=args.limit, train_levels=train_levels,
-            options=options, config={"model": args.model, "compare": args.compare, "device": device},
+            compare=compare or None, limit=args.limit, train_levels=train_levels, options=options,
+            config={"model": args.model, "compare": args.compare, "device": device},
         )
     except (ValueError, OSError) as e:
         print(f"retrofit eval: error: {e}", file=sys.stderr)

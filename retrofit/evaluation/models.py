@@ -13,7 +13,17 @@ import torch
 
 from .metrics import flops_ratio
 
-__all__ = ["ModelInfo", "batches", "device", "forward", "model_info", "pad_id", "pad_left", "progress_bar"]
+__all__ = [
+    "ModelInfo",
+    "batches",
+    "device",
+    "flops_per_token",
+    "forward",
+    "model_info",
+    "pad_id",
+    "pad_left",
+    "progress_bar",
+]
 
 
 @dataclass
@@ -106,3 +116,28 @@ def progress_bar(iterable, enabled: bool, **kw):
     from tqdm.auto import tqdm
 
     return tqdm(iterable, disable=not enabled, leave=False, dynamic_ncols=True, **kw)
+
+
+def flops_per_token(model, info: ModelInfo, depths) -> float:
+    """Matmul FLOPs per token at the given exit depths (mean over them).
+
+    Looped models: ``retrofit.flops.cost_report`` (decoder layers, updater, decider, LM head as
+    the method runs them). Plain models: every decoder layer and the LM head once per token. Both
+    count 2 FLOPs per multiply-add of every linear map and leave out attention scores, which grow
+    with context length (a few percent of a layer at these lengths).
+
+    Args:
+        depths: ``[n]`` exit depths (ignored for a plain model).
+    """
+    if info.looped:
+        from retrofit.flops import cost_report
+
+        d = torch.as_tensor(depths).reshape(-1).long()
+        if d.numel() == 0:
+            return float("nan")
+        rep = cost_report(model, d)
+        return float(rep["flops"]) / rep["n_tokens"]
+    layers = sum(
+        m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)
+    )
+    return 2.0 * float(layers + model.get_output_embeddings().weight.numel())

@@ -79,6 +79,15 @@ class EvalOptions:
         "auto",
     )
 
+    difficulty_reference: str | None = _help(
+        "Name of a compared model whose teacher-forced per-token loss measures each answer token's difficulty for "
+        "the per-token depth analysis of every looped model; None = the first compared model that is not looped.",
+        None,
+    )
+    bootstrap_samples: int = _help("Resamples of the paired bootstrap of an accuracy difference.", 10_000)
+    stats_seed: int = _help("Seed of the paired bootstrap.", 0)
+    confidence: float = _help("Confidence level of the Wilson intervals and bootstrap intervals.", 0.95)
+
     def __post_init__(self):
         def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
             if allow_none and value is None:
@@ -95,10 +104,15 @@ class EvalOptions:
         positive_int("max_new_tokens", self.max_new_tokens, allow_none=True)
         choice("alignment", self.alignment, ALIGNMENTS)
         choice("backend", self.backend, GENERATION_BACKENDS)
+        positive_int("bootstrap_samples", self.bootstrap_samples)
         if isinstance(self.html_samples, bool) or not isinstance(self.html_samples, int) or self.html_samples < 0:
             raise ValueError(f"html_samples must be an int >= 0, got {self.html_samples!r}")
         if not isinstance(self.answer_sep, str):
             raise ValueError(f"answer_sep must be a string, got {type(self.answer_sep).__name__}")
+        if not (isinstance(self.confidence, float) and 0.5 <= self.confidence < 1.0):
+            raise ValueError(f"confidence must be a float in [0.5, 1), got {self.confidence!r}")
+        if self.difficulty_reference is not None and not isinstance(self.difficulty_reference, str):
+            raise ValueError(f"difficulty_reference must be a model name or None, got {self.difficulty_reference!r}")
 
 
 def resolve_options(options: EvalOptions | None, overrides: Mapping[str, Any]) -> EvalOptions:

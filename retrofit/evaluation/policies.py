@@ -62,7 +62,6 @@ def exit_policies(
     opts: EvalOptions,
     target: float | None,
     generate_accuracy: Callable[..., tuple[float, float]] | None,
-    points: list,
     notes: list[str],
 ) -> dict[str, dict[str, Any]]:
     """The exit-policy comparison (module docstring).
@@ -71,7 +70,6 @@ def exit_policies(
         gen_accuracy, gen_mean_depth: the decider's accuracy and d̄ as measured by the run's accuracy mode.
         target: d̄ to calibrate to; default the decider's (or (1 + D) / 2 without a decider).
         generate_accuracy: ``(exit_policy=, exit_threshold=) -> (accuracy, mean depth)`` or None.
-        points: compute points of the accuracy-vs-compute plot (appended to).
         notes: run notes (appended to).
     """
     D = info.max_depth
@@ -141,8 +139,6 @@ def exit_policies(
                 acc, depth_mean = generate_accuracy(exit_policy=pname, exit_threshold=tau)
                 entry["generation_accuracy"] = acc
                 entry["generation_mean_depth"] = depth_mean
-                if math.isfinite(depth_mean):
-                    points.append((info.layers(depth_mean), acc, pname))
         elif pname in engine:
             notes.append(
                 f"{pname} exit: the threshold matching d̄ = {goal:.3g} is {tau} (no token can exit early), which the "

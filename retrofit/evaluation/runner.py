@@ -23,16 +23,21 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from .artifacts import write_artifacts
 from .decoding import greedy_generate
 from .models import model_info
 from .options import DEFAULT_N, EvalOptions, resolve_options
-from .rows import levels_for, task_rows
-from .task_eval import evaluate_task
+from .rows import levels_for, split_of, task_rows
+from .stats import paired_comparison, rows_needed
+from .task_eval import TaskArrays, evaluate_task, evaluate_task_arrays
+from .token_difficulty import depth_vs_token_difficulty
 
 __all__ = [
     "add_arguments",
     "as_list",
+    "compare_list",
     "evaluate",
     "evaluate_task",
     "greedy_generate",
@@ -49,6 +54,37 @@ def as_list(tasks) -> list:
     if not isinstance(tasks, (list, tuple)):
         return [tasks]
     return list(tasks)
+
+
+def compare_list(compare, compare_name: str, name: str, tokenizer) -> list[tuple[str, Any, Any]]:
+    """Normalise ``compare`` to ``[(name, model, tokenizer), ...]``.
+
+    Accepted: None; a model (the primary's tokenizer); ``(model, tokenizer)`` (named
+    ``compare_name``); or a list of ``(name, model, tokenizer)`` / ``(name, model)`` entries.
+
+    Raises:
+        ValueError: a malformed entry, or a name used twice (the primary's name included).
+    """
+    if compare is None:
+        return []
+    if isinstance(compare, list):
+        out = []
+        for i, item in enumerate(compare):
+            if not isinstance(item, tuple) or len(item) not in (2, 3) or not isinstance(item[0], str):
+                raise ValueError(
+                    f"compare[{i}] must be (name, model, tokenizer) or (name, model), got {type(item).__name__}"
+                )
+            out.append((item[0], item[1], item[2] if len(item) == 3 else tokenizer))
+    else:
+        model, tok = compare if isinstance(compare, tuple) else (compare, tokenizer)
+        if compare_name == name:
+            compare_name = f"{compare_name} (compare)"
+        out = [(compare_name, model, tok)]
+    names = [name] + [n for n, _, _ in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"model names must be unique; used more than once: {', '.join(dup)}")
+    return out
 
 
 def evaluate(
@@ -71,7 +107,13 @@ def evaluate(
     config: Mapping[str, Any] | None = None,
     **option_overrides,
 ) -> dict[str, Any]:
-    """Evaluate a model (and optionally a second one on the same rows) on several tasks.
+    """Evaluate a model and any number of compared models on the same rows of several tasks.
+
+    Besides each model's own results, the first model (``name``) is compared with every other one
+    on the same rows (``results["comparisons"]``: exact McNemar and a paired bootstrap per level,
+    over training levels, held-out levels and all rows; :mod:`.stats`), and each looped model's
+    per-token exit depth is set against a non-looped reference model's per-token loss
+    (``token_difficulty`` in its task entry; :mod:`.token_difficulty`).
 
     Args:
         model: looped or plain causal LM.
@@ -82,10 +124,12 @@ def evaluate(
         seed: data seed.
         out_dir: when given, write every artifact there (:func:`write_artifacts`).
         name: the model's name in the results.
-        compare: a second model evaluated the same way (e.g. the base): a model (same
-            tokenizer) or ``(model, tokenizer)``. A looped model made by ``retrofit.convert``
-            shares its modules with the base object, so pass a separate copy of the base.
-        compare_name: its name.
+        compare: models evaluated the same way, side by side: ``[(name, model, tokenizer), ...]``
+            (or ``(name, model)`` with this tokenizer); the older single forms ``model`` or
+            ``(model, tokenizer)``, named ``compare_name``, still work. A looped model made by
+            ``retrofit.convert`` shares its modules with the base object, so pass a separate copy
+            of the base.
+        compare_name: the name of a single ``compare`` model.
         rows: ``{task: rows}`` to evaluate given rows instead of generated ones.
         limit: at most this many rows per task (:func:`task_rows`).
         train_levels: levels marked as training levels: a list or ``{task: levels}``.
@@ -103,12 +147,8 @@ def evaluate(
     task_objs = [get_task(t) for t in as_list(tasks)]
     if not task_objs:
         raise ValueError("no task given")
-    models = [(name, model, tokenizer)]
-    if compare is not None:
-        c_model, c_tok = compare if isinstance(compare, tuple) else (compare, tokenizer)
-        if compare_name == name:
-            compare_name = f"{compare_name} (compare)"
-        models.append((compare_name, c_model, c_tok))
+    models = [(name, model, tokenizer)] + compare_list(compare, compare_name, name, tokenizer)
+    reference = _difficulty_reference(models, opts.difficulty_reference)
     results: dict[str, Any] = {
         "config": {
             "tasks": [t.name for t in task_objs],
@@ -121,9 +161,15 @@ def evaluate(
             "input_format": "chat template" if opts.chat else f"raw continuation, answer separator {opts.answer_sep!r}",
             "depth_alignment": opts.alignment,
             "accuracy": "exact match (task scorer) of greedy generation, stop at EOS or newline",
+            "accuracy_interval": f"Wilson score interval, {opts.confidence:.0%}",
+            "paired_tests": f"{name} vs each other model on the same rows: exact McNemar (two-sided) and a paired "
+            f"bootstrap of the accuracy difference ({opts.bootstrap_samples} resamples, seed {opts.stats_seed})",
+            "rows_needed_for_10_points": f"{rows_needed(0.10)} per level (paired test, 80% power, two-sided 5%, "
+            "independent errors at 50% accuracy: the worst case; retrofit.evaluation.stats.rows_needed)",
             "depth_statistics": "teacher-forced on the gold answer's content tokens",
             "exit_policies": "teacher-forced next-token accuracy on answer tokens; thresholds calibrated to "
             "the decider's mean depth (full-context frame, re-measured exactly where the engine implements the exit)",
+            "token_difficulty_reference": reference,
             **dict(config or {}),
         },
         "models": {},
@@ -133,10 +179,11 @@ def evaluate(
     for t in task_objs:
         t_rows = rows.get(t.name) if rows is not None else None
         task_data[t.name] = task_rows(t, levels_for(t, levels), n, seed, limit) if t_rows is None else t_rows
+    arrays: dict[str, dict[str, TaskArrays]] = {t.name: {} for t in task_objs}
     for mname, m, tok in models:
         entry: dict[str, Any] = {"tasks": {}}
         for t in task_objs:
-            entry["tasks"][t.name] = evaluate_task(
+            entry["tasks"][t.name], arrays[t.name][mname] = evaluate_task_arrays(
                 m, tok, t, rows=task_data[t.name], train_levels=levels_for(t, train_levels), name=mname, options=opts
             )
         info = model_info(m)
@@ -144,6 +191,16 @@ def evaluate(
         entry["method"] = info.method
         entry["looped"] = info.looped
         results["models"][mname] = entry
+    if len(models) > 1:
+        results["comparisons"] = {
+            t.name: _comparisons(name, arrays[t.name], results["models"], t.name, opts) for t in task_objs
+        }
+    if reference is not None:
+        for t in task_objs:
+            for mname, _, _ in models:
+                task_entry = results["models"][mname]["tasks"][t.name]
+                if mname != reference and task_entry["looped"] and task_entry["max_depth"] > 1:
+                    _token_difficulty(task_entry, arrays[t.name][mname], arrays[t.name][reference], reference)
     if out_dir is not None:
         write_artifacts(results, out_dir)
     if print_summary:
@@ -153,6 +210,57 @@ def evaluate(
 
         Console().print(summary_table(results))
     return results
+
+
+def _difficulty_reference(models, wanted: str | None) -> str | None:
+    from .models import model_info as info_of
+
+    names = [m[0] for m in models]
+    if wanted is not None:
+        if wanted not in names:
+            raise ValueError(f"difficulty_reference {wanted!r} is not a model of this run; models: {', '.join(names)}")
+        return wanted
+    return next((n for n, m, _ in models[1:] if not info_of(m).looped), None)
+
+
+def _comparisons(primary: str, arrays: dict[str, TaskArrays], models: dict, task: str, opts: EvalOptions) -> dict:
+    """``{other: {"levels": {level: cmp}, "train": cmp, "held_out": cmp, "all": cmp}}`` (primary = a)."""
+    entry = models[primary]["tasks"][task]
+    levels = list(entry["levels"])
+    train = entry.get("train_levels", [])
+    row_level = np.asarray(arrays[primary].levels, dtype=object)
+    a = arrays[primary].correct
+
+    def cmp(b, mask):
+        return paired_comparison(
+            a[mask], b[mask], n_boot=opts.bootstrap_samples, seed=opts.stats_seed, confidence=opts.confidence
+        )
+
+    out = {}
+    for other, arr in arrays.items():
+        if other == primary:
+            continue
+        res: dict[str, Any] = {"a": primary, "b": other, "levels": {}}
+        for lvl in levels:
+            res["levels"][lvl] = cmp(arr.correct, row_level == lvl)
+        is_train = np.array([split_of(lv, train) == "train" for lv in arrays[primary].levels], dtype=bool)
+        if is_train.any() and (~is_train).any():
+            res["train"] = cmp(arr.correct, is_train)
+            res["held_out"] = cmp(arr.correct, ~is_train)
+        res["all"] = cmp(arr.correct, np.ones_like(is_train))
+        out[other] = res
+    return out
+
+
+def _token_difficulty(entry: dict, looped: TaskArrays, ref: TaskArrays, ref_name: str) -> None:
+    if looped.answer_ids != ref.answer_ids:
+        entry.setdefault("notes", []).append(
+            f"token difficulty: {ref_name} tokenizes the answers differently; per-token analysis skipped"
+        )
+        return
+    depths = np.concatenate([d[c] for d, c in zip(looped.pred_depth, looped.content)])
+    losses = np.concatenate([x[c] for x, c in zip(ref.nll, ref.content)])
+    entry["token_difficulty"] = {"reference": ref_name, **depth_vs_token_difficulty(depths, losses, looped.max_depth)}
 
 
 def add_arguments(parser) -> None:

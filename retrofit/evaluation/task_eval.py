@@ -20,6 +20,7 @@ layer counts, no depth statistics.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,13 +28,37 @@ import numpy as np
 from . import analysis as A
 from .decoding import greedy_generate
 from .metrics import accuracy_by_level, cost_exec, flops_ratio, loss_change_stats, spearman
-from .models import model_info, pad_id
+from .models import flops_per_token, model_info, pad_id
 from .options import DEFAULT_N, EvalOptions, resolve_options
 from .policies import cat, exit_policies, mean, seq_acc
 from .rows import prepare, split_of, task_rows
+from .stats import wilson_interval
 from .teacher_forced import teacher_forced
 
-__all__ = ["evaluate_task"]
+__all__ = ["TaskArrays", "evaluate_task", "evaluate_task_arrays"]
+
+
+@dataclass
+class TaskArrays:
+    """Per-example arrays of one model on one task, for comparisons across models (same row order).
+
+    Attributes:
+        levels: ``[N]`` each row's difficulty level.
+        correct: ``[N]`` bool, the row's accuracy outcome.
+        answer_ids: per example, the gold answer tokens ``[m]``.
+        content: per example, ``[m]`` bool (non-whitespace answer tokens).
+        nll: per example, ``[m]`` teacher-forced loss of each answer token (producing position).
+        pred_depth: per example, ``[m]`` exit depth of the producing position (looped models) or None.
+        max_depth: D.
+    """
+
+    levels: list
+    correct: np.ndarray
+    answer_ids: list[list[int]]
+    content: list[np.ndarray]
+    nll: list[np.ndarray]
+    pred_depth: list[np.ndarray] | None
+    max_depth: int
 
 
 def evaluate_task(
@@ -75,6 +100,18 @@ def evaluate_task(
         ``knob``, ``method``, ``train_levels``, ``overall``, ``forced_depth_token_accuracy``,
         ``samples`` (for ``samples.html``) and ``notes``.
     """
+    return evaluate_task_arrays(
+        model, tokenizer, task, levels, n, seed, rows=rows, limit=limit, train_levels=train_levels,
+        exit_target_depth=exit_target_depth, name=name, options=options, **option_overrides,
+    )[0]
+
+
+def evaluate_task_arrays(
+    model, tokenizer, task, levels=None, n: int = DEFAULT_N, seed: int = 0, *, rows=None, limit=None,
+    train_levels=None, exit_target_depth=None, name: str = "model", options: EvalOptions | None = None,
+    **option_overrides,
+) -> tuple[dict[str, Any], TaskArrays]:
+    """:func:`evaluate_task` that also returns the per-example :class:`TaskArrays`."""
     from data_prep.tasks import get_task
 
     opts = resolve_options(options, option_overrides)
@@ -100,7 +137,9 @@ def _token_texts(tokenizer, ids) -> list[str]:
     return [tokenizer.decode([int(t)]) for t in ids]
 
 
-def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_target_depth, name) -> dict[str, Any]:
+def _evaluate_task(
+    model, tokenizer, task, rows, train, opts: EvalOptions, exit_target_depth, name
+) -> tuple[dict[str, Any], TaskArrays]:
     info = model_info(model)
     D = info.max_depth
     pad = pad_id(tokenizer)
@@ -109,6 +148,7 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_
     max_new = opts.max_new_tokens or max(len(e.answer_ids) for e in examples) + 2
     prompts = [e.prompt_ids for e in examples]
     tag = f"{name}/{task.name}"
+    levels_sorted = sorted({e.level for e in examples})
 
     def generate(desc, **kw):
         return greedy_generate(
@@ -119,14 +159,35 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_
     def score(gens) -> np.ndarray:
         return np.array([task.score(g["text"], e.row["answer"]) for g, e in zip(gens, examples)], dtype=bool)
 
-    def gen_depth(gens) -> float:
-        return mean(np.concatenate([np.asarray(g["depths"], dtype=float) for g in gens]))
+    def gen_depths(gens) -> np.ndarray:
+        return np.concatenate([np.asarray(g["depths"], dtype=np.int64) for g in gens])
+
+    def ci(c: np.ndarray) -> list[float]:
+        return list(wilson_interval(int(c.sum()), int(c.size), opts.confidence))
+
+    compute_points: list[dict[str, Any]] = []
+
+    def point(label, c: np.ndarray, depths) -> None:
+        """A point of the accuracy-vs-compute plot: compute per generated token at these depths."""
+        depths = np.asarray(depths, dtype=np.int64)
+        if info.looped and depths.size == 0:
+            return
+        d_mean = float(depths.mean()) if info.looped else 1.0
+        compute_points.append(
+            {
+                "label": label,
+                "accuracy": float(c.mean()),
+                "accuracy_ci": ci(c),
+                "mean_depth": d_mean if info.looped else None,
+                "layers_per_token": info.layers(d_mean),
+                "flops_per_token": flops_per_token(model, info, depths),
+            }
+        )
 
     # --- generation with the model's own exits ------------------------------------------------
     gens = generate("generate")
     correct = score(gens)
     tf = teacher_forced(model, info, examples, pad, opts, f"{tag} teacher-forced", per_depth=opts.exit_policies)
-    levels_sorted = sorted({e.level for e in examples})
 
     # --- per level ----------------------------------------------------------------------------
     by_level = accuracy_by_level([{"level": e.level, "correct": bool(c)} for e, c in zip(examples, correct)])
@@ -139,12 +200,14 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_
             "n": by_level[lvl]["n"],
             "accuracy": by_level[lvl]["accuracy"],
             "accuracy_se": by_level[lvl]["accuracy_se"],
+            "accuracy_ci": ci(correct[idx]),
             "split": split_of(lvl, train),
             "token_accuracy": mean(cat(tfs, "correct", exs)),
             "sequence_accuracy_tf": seq_acc([t["correct"][e.content] for t, e in zip(tfs, exs)]),
         }
         if info.looped:
-            c = cost_exec(cat(tfs, "tok_depth", exs), max_depth=D)
+            depths = cat(tfs, "tok_depth", exs)
+            c = cost_exec(depths, max_depth=D)
             per_ex = [float(t["tok_depth"][e.content].mean()) for t, e in zip(tfs, exs)]
             entry.update(
                 mean_depth=c["mean_depth"],
@@ -153,8 +216,12 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_
                 saving=c["saving"],
                 depth_histogram=c["depth_histogram"],
                 expected_depth=mean(cat(tfs, "tok_exp_depth", exs)),
-                gen_mean_depth=gen_depth([gens[i] for i in idx]),
+                gen_mean_depth=mean(gen_depths([gens[i] for i in idx])),
+                layers_per_token=info.layers(c["mean_depth"]),
+                flops_per_token=flops_per_token(model, info, depths),
             )
+        else:
+            entry.update(layers_per_token=float(info.n_layers), flops_per_token=flops_per_token(model, info, []))
         level_entries[lvl] = entry
 
     result: dict[str, Any] = {
@@ -172,12 +239,14 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_
     overall: dict[str, Any] = {
         "n": len(examples),
         "accuracy": float(correct.mean()),
+        "accuracy_ci": ci(correct),
         "token_accuracy": mean(cat(tf, "correct", examples)),
         "layers_base": float(info.n_layers),
     }
     if info.looped:
-        c = cost_exec(cat(tf, "tok_depth", examples), max_depth=D)
-        gd = gen_depth(gens)
+        depths = cat(tf, "tok_depth", examples)
+        c = cost_exec(depths, max_depth=D)
+        gd = mean(gen_depths(gens))
         overall.update(
             mean_depth=c["mean_depth"],
             saving=c["saving"],
@@ -186,9 +255,15 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_
             gen_mean_depth=gd,
             flops=flops_ratio(c["mean_depth"], D, info.n_layers, info.prelude, info.core, info.coda),
             gen_layers_per_token=info.layers(gd) if math.isfinite(gd) else float("nan"),
+            layers_per_token=info.layers(c["mean_depth"]),
+            flops_per_token=flops_per_token(model, info, depths),
         )
     else:
-        overall["gen_layers_per_token"] = float(info.n_layers)
+        overall.update(
+            gen_layers_per_token=float(info.n_layers),
+            layers_per_token=float(info.n_layers),
+            flops_per_token=flops_per_token(model, info, []),
+        )
     if info.looped and len(levels_sorted) > 1:
         # does depth follow difficulty? rank correlation of each example's mean answer depth
         # (teacher-forced exit depths) with its difficulty level
@@ -197,7 +272,6 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_
     result["overall"] = overall
 
     # --- forced depths (test-time scaling) -------------------------------------------------------
-    compute_points: list[tuple[float, float, Any]] = []
     if info.looped:
         if opts.forced_depths:
             forced_acc: dict[int, float] = {}
@@ -208,15 +282,14 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_
                 forced_by_level[d] = {
                     lvl: float(np.mean([c for c, e in zip(c_d, examples) if e.level == lvl])) for lvl in levels_sorted
                 }
-                compute_points.append((info.layers(d), forced_acc[d], d))
+                point(d, c_d, [d])
             result["forced_depth_accuracy"] = forced_acc
             result["forced_depth_accuracy_by_level"] = forced_by_level
             for lvl in levels_sorted:
                 level_entries[lvl]["forced_accuracy"] = {d: forced_by_level[d][lvl] for d in forced_by_level}
-        if math.isfinite(overall["gen_mean_depth"]):
-            compute_points.append((overall["gen_layers_per_token"], overall["accuracy"], "adaptive"))
+        point("adaptive", correct, gen_depths(gens))
     else:
-        compute_points.append((float(info.n_layers), overall["accuracy"], "base"))
+        point("plain", correct, [])
 
     if info.looped and D > 1 and opts.exit_policies:
         result["forced_depth_token_accuracy"] = {
@@ -228,11 +301,13 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_
 
         def generate_accuracy(**kw):
             g = generate(f"{kw['exit_policy']} exit", **kw)
-            return float(score(g).mean()), gen_depth(g)
+            c_g = score(g)
+            point(kw["exit_policy"], c_g, gen_depths(g))
+            return float(c_g.mean()), mean(gen_depths(g))
 
         result["exit_policies"] = exit_policies(
             model, info, examples, tf, float(correct.mean()), overall["gen_mean_depth"], pad, opts, exit_target_depth,
-            generate_accuracy if opts.policy_generation else None, compute_points, notes,
+            generate_accuracy if opts.policy_generation else None, notes,
         )
     elif info.looped and D == 1:
         notes.append("max_depth = 1: no forced-depth sweep, loss change or exit policies")
@@ -241,7 +316,7 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_
     if info.looped and task.name in ("lano", "brevo"):
         _structure_analysis(task, examples, tf, result, notes)
 
-    result["compute_points"] = [list(p) for p in compute_points]
+    result["compute_points"] = compute_points
 
     # --- samples for samples.html ------------------------------------------------------------
     samples = []
@@ -262,7 +337,16 @@ def _evaluate_task(model, tokenizer, task, rows, train, opts: EvalOptions, exit_
             )
     result["samples"] = samples
     result["notes"] = notes
-    return result
+    arrays = TaskArrays(
+        levels=[e.level for e in examples],
+        correct=correct,
+        answer_ids=[list(e.answer_ids) for e in examples],
+        content=[e.content for e in examples],
+        nll=[t["nll"] for t in tf],
+        pred_depth=[t["pred_depth"] for t in tf] if info.looped else None,
+        max_depth=D,
+    )
+    return result, arrays
 
 
 def _structure_analysis(task, examples, tf, result, notes) -> None:
