@@ -65,9 +65,9 @@ def test_task_contract(key):
             assert isinstance(r["prompt"], str) and isinstance(r["answer"], str)
             assert r["answer"].strip() and "\n" not in r["answer"]
             assert r["prompt"].rstrip().endswith(("=", ":")), r["prompt"]
-            assert task.score(r["answer"], r["answer"])
-            assert task.score("  " + r["answer"] + "  \nmore text", r["answer"])  # first line only
-            assert not task.score("", r["answer"])
+            assert task.score(r["answer"], r["answer"], prompt=r["prompt"])
+            assert task.score("  " + r["answer"] + "  \nmore text", r["answer"], prompt=r["prompt"])  # first line only
+            assert not task.score("", r["answer"], prompt=r["prompt"])
             if task.has_token_features:
                 assert len(r["token_features"]) == len(r["answer"].split())
         # determinism, seed sensitivity
@@ -86,6 +86,8 @@ def test_levels_use_independent_streams():
 
 def test_wrong_answers_rejected():
     assert not TASKS["mano"].score("18", "17")
+    assert not TASKS["brevo"].score("b a", "a b", prompt="a>b b>c ? c :")
+    assert TASKS["brevo"].score("a b", "a b", prompt="a>b b>c ? c :")
     assert not TASKS["clrs_sorting"].score("1 3 2", "1 2 3")
     assert not TASKS["gsm"].score("The answer is 8", "7")
     assert TASKS["gsm"].score("The answer is 7 apples", "7")
@@ -164,6 +166,69 @@ def test_brevo_answers_and_knob(level):
         assert len(r["token_features"]) == len(order)
 
 
+def _brevo_valid(edges, query, order):
+    """Independent validator: the ancestor set (fixpoint), each once, every edge among them forward."""
+    anc = _ancestors_fixpoint(edges, query)
+    if len(order) != len(set(order)) or set(order) != anc:
+        return False
+    pos = {x: i for i, x in enumerate(order)}
+    return all(pos[u] < pos[v] for u, v in edges if u in anc and v in anc)
+
+
+def test_brevo_score_accepts_every_valid_order():
+    task = TASKS["brevo"]
+    n_multi = 0
+    for level in (4, 5, 6, 7):
+        for r in task.generate(level, 6, seed=3):
+            edges, query = _parse_brevo(r["prompt"])
+            assert brevo.parse_prompt(r["prompt"]) == (edges, query)
+            anc = sorted(_ancestors_fixpoint(edges, query))
+            if len(anc) > 6:
+                continue
+            valid = 0
+            for perm in itertools.permutations(anc):
+                ok = _brevo_valid(edges, query, list(perm))
+                assert task.score(" ".join(perm), r["answer"], prompt=r["prompt"]) == ok, perm
+                valid += ok
+            n_multi += valid > 1
+            # wrong sets: one dependency missing, a non-dependency added, a repeat
+            order = r["answer"].split()
+            assert not task.score(" ".join(order[:-1]), r["answer"], prompt=r["prompt"])
+            assert not task.score(" ".join(order + [query]), r["answer"], prompt=r["prompt"])
+            assert not task.score(" ".join(order + order[:1]), r["answer"], prompt=r["prompt"])
+    assert n_multi >= 5, "the check needs instances with more than one valid order"
+    with pytest.raises(ValueError, match="needs the row's prompt"):
+        task.score("a b", "a b")
+    with pytest.raises(ValueError, match="not a prompt"):
+        brevo.parse_prompt("sort 3 1 2 =")
+
+
+def test_brevo_order_features_along_another_order():
+    # a and b are both available first; the reference emits a first, this order emits b first
+    edges = [("a", "c"), ("b", "c"), ("c", "e"), ("d", "e"), ("a", "f"), ("f", "g")]
+    assert brevo.solve(edges, "e")[0] == ["a", "b", "c", "d"]
+    feats = brevo.order_features(edges, "e", ["b", "d", "a", "c"])
+    # frontier before each emission: {a,b,d} -> 3, {a,d} -> 2, {a} -> 1, {c} -> 1; a enables c
+    as_tuples = [(f["hub_out_degree"], f["dfs_depth"], f["frontier_size"], f["newly_enabled"]) for f in feats]
+    assert as_tuples == [(1, 2, 3, 0), (1, 1, 2, 0), (2, 2, 1, 1), (1, 1, 1, 0)]
+    assert brevo.valid_prefix_length(edges, "e", ["b", "c", "a"]) == 1  # c before its parent a
+    assert brevo.valid_prefix_length(edges, "e", ["b", "f"]) == 1  # f is no dependency of e
+    with pytest.raises(ValueError, match="does not continue a valid answer"):
+        brevo.order_features(edges, "e", ["c"])
+
+
+def test_mano_trains_on_all_levels_and_holds_out_on_request():
+    mano = TASKS["mano"]
+    assert mano.default_train_levels == list(range(3, 17)) and mano.interp_levels == []  # ANIRA's setting
+    dd = build_splits("mano", 2, 2, seed=0)
+    assert set(dd["train"]["difficulty"]) == set(range(3, 17)) and "eval_interp" not in dd
+    from data_prep.mano import INTERP_HOLDOUT
+
+    dd = build_splits("mano", 2, 2, seed=0, interp_levels=list(INTERP_HOLDOUT))
+    assert set(dd["train"]["difficulty"]) == set(range(3, 17)) - set(INTERP_HOLDOUT)
+    assert set(dd["eval_interp"]["difficulty"]) == set(INTERP_HOLDOUT)
+
+
 def test_brevo_features_hand_worked():
     edges = [("a", "c"), ("b", "c"), ("c", "e"), ("d", "e"), ("a", "f"), ("f", "g")]
     order, feats = brevo.solve(edges, "e")
@@ -213,8 +278,8 @@ def test_lano_strings_are_grammatical(level):
         assert tree.height() - 1 <= 7
         feats = r["token_features"]
         assert len(feats) == level
-        assert all(set(f) == {"expansion", "convergence", "parser_work", "parser_mults"} for f in feats)
-        assert all(f["parser_work"] > 0 for f in feats)
+        assert all(set(f) == {"expansion", "convergence", "additions", "multiplications", "chart_edges"} for f in feats)
+        assert all(f["chart_edges"] > 0 and f["multiplications"] >= 0 and f["additions"] >= 0 for f in feats)
 
 
 def test_lano_score_rejects_ungrammatical():
@@ -228,14 +293,122 @@ def test_lano_score_rejects_ungrammatical():
 def test_lano_features_hand_worked_and_prefix_invariant():
     toy = nltk.PCFG.fromstring("S -> A B [1.0]\nA -> 'a' [1.0]\nB -> 'b' [1.0]")
     # column 0: S->.A B, A->.'a' | column 1: A->'a'., S->A.B, B->.'b' | column 2: B->'b'., S->A B.
+    # inside: β(A,0,1) = P·1 (1 mult); β(B,1,2) = P·1 (1), β(S,0,2) = P·β(A)·β(B) (2); one term each: 0 additions
     assert lano.token_features(["a", "b"], toy) == [
-        {"expansion": 0, "convergence": -1, "parser_work": 3, "parser_mults": 1},
-        {"expansion": -2, "convergence": 1, "parser_work": 2, "parser_mults": 3},
+        {"expansion": 0, "convergence": -1, "additions": 0, "multiplications": 1, "chart_edges": 3},
+        {"expansion": -2, "convergence": 1, "additions": 0, "multiplications": 3, "chart_edges": 2},
     ]
     tokens = TASKS["lano"].generate(14, 1, seed=5)[0]["answer"].split()
     full = lano.token_features(tokens)
     for k in (1, 5, 13):
         assert lano.token_features(tokens[:k]) == full[:k]
+
+
+def _inside_arithmetic_bruteforce(grammar, tokens):
+    """Inside additions / multiplications per end position, from first principles.
+
+    A constituent (A, k, i) counts when A is *predicted* at k — some leftmost derivation reaches
+    ``tokens[:k] A ...`` (found by exploring derivations; the stack below the top is cut at the
+    length that could still matter, since every symbol yields at least one token) — and A derives
+    ``tokens[k:i]``. Its inside sum has one term per (rule, split of k..i among the rule's symbols)
+    whose every piece is derivable by its symbol; T terms cost T − 1 additions and len(rule) each
+    in multiplications.
+    """
+    from functools import lru_cache
+
+    n = len(tokens)
+    rules: dict = {}
+    for p in grammar.productions():
+        rules.setdefault(p.lhs(), []).append(p.rhs())
+
+    @lru_cache(maxsize=None)
+    def derives(sym, k, i):
+        if isinstance(sym, str):
+            return i == k + 1 and tokens[k] == sym
+        return any(splits(rhs, k, i) for rhs in rules[sym])
+
+    def splits(rhs, k, i):
+        """Every split k = s0 < ... < sr = i with each piece derivable by its symbol."""
+        out = []
+        for cuts in itertools.combinations(range(k + 1, i), len(rhs) - 1):
+            bounds = (k, *cuts, i)
+            if all(derives(x, bounds[j], bounds[j + 1]) for j, x in enumerate(rhs)):
+                out.append(bounds)
+        return out
+
+    predicted = set()
+    start = (0, (grammar.start(),))
+    seen, queue = {start}, deque([start])
+    while queue:
+        k, stack = queue.popleft()
+        if not stack:
+            continue
+        top, rest = stack[0], stack[1:]
+        if isinstance(top, str):
+            nxt = [(k + 1, rest)] if k < n and tokens[k] == top else []
+        else:
+            predicted.add((top, k))
+            nxt = [(k, tuple(rhs) + rest) for rhs in rules[top]]
+        for k2, st in nxt:
+            state = (k2, st[: n - k2 + 1])
+            if state not in seen:
+                seen.add(state)
+                queue.append(state)
+    adds, mults = [0] * (n + 1), [0] * (n + 1)
+    for sym, k in predicted:
+        for i in range(k + 1, n + 1):
+            terms = [(rhs, b) for rhs in rules[sym] for b in splits(rhs, k, i)]
+            if terms:
+                adds[i] += len(terms) - 1
+                mults[i] += sum(len(rhs) for rhs, _ in terms)
+    return adds[1:], mults[1:]
+
+
+def test_lano_inside_arithmetic_vs_bruteforce():
+    grammars = [
+        # ambiguous, left- and right-recursive: "a a a" has two bracketings
+        nltk.PCFG.fromstring("S -> S S [0.3] | 'a' [0.5] | 'b' [0.2]"),
+        # two rules covering the same span, unit rules, a terminal inside a rule
+        nltk.PCFG.fromstring(
+            "S -> A B [0.5] | C [0.5]\nA -> 'a' [0.6] | 'a' A [0.4]\nB -> 'b' [0.7] | B 'b' [0.3]\n"
+            "C -> A 'b' [0.5] | 'a' D [0.5]\nD -> B [1.0]"
+        ),
+    ]
+    strings = [list(s) for length in range(1, 6) for s in itertools.product("ab", repeat=length)]
+    for g in grammars:
+        for toks in strings:
+            feats = lano.token_features(toks, g)
+            adds, mults = _inside_arithmetic_bruteforce(g, toks)
+            assert [f["additions"] for f in feats] == adds, toks
+            assert [f["multiplications"] for f in feats] == mults, toks
+    assert max(_inside_arithmetic_bruteforce(grammars[0], list("aaaa"))[0]) > 0  # ambiguity shows up
+    for row in TASKS["lano"].generate(9, 2, seed=4):  # the real grammar
+        toks = row["answer"].split()
+        adds, mults = _inside_arithmetic_bruteforce(lano.grammar(), toks)
+        assert [f["additions"] for f in row["token_features"]] == adds
+        assert [f["multiplications"] for f in row["token_features"]] == mults
+
+
+def test_lano_viable_prefix():
+    good = TASKS["lano"].generate(10, 1, seed=1)[0]["answer"].split()
+    assert lano.viable_prefix_length(good) == 10
+    assert lano.viable_prefix_length(good[:4] + ["x"] + good[5:]) == 4  # not a terminal
+    parser = nltk.ChartParser(lano.grammar())
+
+    def viable_by_search(prefix):  # some grammatical string of length <= 16 starts with it
+        return any(
+            next(parser.parse(list(prefix) + list(tail)), None) is not None
+            for extra in range(0, 17 - len(prefix))
+            for tail in itertools.product("abc", repeat=extra)
+            if len(prefix) + extra >= 6 and extra <= 5
+        )
+
+    for prefix in [("a",), ("b", "b"), ("c", "c", "c", "c"), ("a", "a", "a", "a")]:
+        k = lano.viable_prefix_length(list(prefix))
+        if k == len(prefix):
+            assert viable_by_search(prefix), prefix
+        else:
+            assert not viable_by_search(prefix[: k + 1]), prefix
 
 
 # --- CLRS ----------------------------------------------------------------------------------------

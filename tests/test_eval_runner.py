@@ -13,6 +13,7 @@ import re
 
 import numpy as np
 import pytest
+import scipy.stats
 import torch
 
 from retrofit.evaluation import analysis as A
@@ -126,7 +127,7 @@ def _lano_rows(n=6):
 
 
 def test_lano_spearman_alignment_planted(tok):
-    """Depth planted on each terminal's first token = its parser_work: Spearman must be exactly 1;
+    """Depth planted on each terminal's first token = its multiplications: Spearman must be exactly 1;
     whitespace tokens get junk depths that alignment must ignore."""
     opts = EvalOptions()
     rows = _lano_rows()
@@ -137,15 +138,15 @@ def test_lano_spearman_alignment_planted(tok):
         m = len(e.answer_ids)
         depth = rng.integers(50, 100, size=m).astype(float)  # junk on every token
         for w, k in enumerate(e.first_tok):
-            depth[k] = e.features[w]["parser_work"]
+            depth[k] = e.features[w]["multiplications"]
         word_depths.append(A.word_values(depth, e.first_tok))
         feats.append(e.features)
         # char tokenizer: " a b c" -> the terminals sit at the odd token indices
         assert e.first_tok.tolist() == list(range(1, m, 2))
     out = A.lano_spearman(word_depths, feats)
     assert set(out) == set(A.LANO_PROXIES)
-    assert out["parser_work"]["rho"] == pytest.approx(1.0)
-    assert out["parser_work"]["n"] == sum(len(f) for f in feats)
+    assert out["multiplications"]["rho"] == pytest.approx(1.0)
+    assert out["multiplications"]["n"] == sum(len(f) for f in feats)
 
 
 def test_brevo_regression_alignment_planted(tok):
@@ -296,10 +297,12 @@ def test_teacher_forced_matches_unbatched_reference(looped, tok):
     from data_prep.tasks import build_dataset
 
     rows = build_dataset("mano", [2, 5], 2, seed=1).to_list()
-    opts = EvalOptions(batch_size=4, progress=False)
+    opts = EvalOptions(batch_size=4, progress=False, alignment="predict")
     examples = prepare(rows, tok, opts)
     info = model_info(looped)
     tf = teacher_forced(looped, info, examples, pad_id(tok), opts, "tf")
+    tf_input = teacher_forced(looped, info, examples, pad_id(tok), EvalOptions(batch_size=3, progress=False), "tf",
+                              per_depth=False)
     D = info.max_depth
     for e, t in zip(examples, tf):
         ids = torch.tensor([e.prompt_ids + e.answer_ids])
@@ -311,6 +314,7 @@ def test_teacher_forced_matches_unbatched_reference(looped, tok):
         pred = torch.arange(P - 1, P - 1 + m)
         np.testing.assert_array_equal(t["pred_depth"], out.depths[0, pred].numpy())
         np.testing.assert_array_equal(t["tok_depth"], out.depths[0, pred].numpy())  # alignment "predict"
+        np.testing.assert_array_equal(tf_input[examples.index(e)]["tok_depth"], out.depths[0, pred + 1].numpy())
         exp = (out.depth_probs[0, pred] * torch.arange(1, D + 1)).sum(-1).double().numpy()
         np.testing.assert_allclose(t["tok_exp_depth"], exp, atol=1e-6)
         np.testing.assert_array_equal(t["correct"], (out.logits[0, pred].argmax(-1) == gold).numpy())
@@ -430,6 +434,7 @@ def test_cli_end_to_end_writes_every_artifact(checkpoint, tmp_path, capsys):
         "--levels", "mano=3,4", "--levels", "brevo=4,6", "--levels", "lano=8,9",
         "--n", "3", "--limit", "4", "--out", str(out), "--quiet", "--name", "looped",
         "--compare", "tiny-llama=base", "tiny-qwen3=qwen", "--html-samples", "1",
+        "--structure-strings", "gold",  # a random model generates no valid LANO/BREVO string
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -483,7 +488,11 @@ def test_cli_end_to_end_writes_every_artifact(checkpoint, tmp_path, capsys):
                        "depth_by_token_difficulty"):
             _png_ok(out / f"{task}_{suffix}.png")
     lano = results["models"]["looped"]["tasks"]["lano"]["spearman"]
-    assert set(lano) == set(A.LANO_PROXIES) and all(v["n"] > 0 for v in lano.values())
+    assert set(lano) == set(A.LANO_PROXIES) | {"chart_edges"} and all(v["n"] > 0 for v in lano.values())
+    for task in ("lano", "brevo"):
+        st = results["models"]["looped"]["tasks"][task]["structure_strings"]
+        assert st == {"strings": "gold", "rows": 4}
+    assert results["config"]["held_out_levels"]["mano"] == [] and results["config"]["train_levels"]["lano"]
     reg = results["models"]["looped"]["tasks"]["brevo"]["regression"]
     assert set(reg) == {"exit_depth", "expected_depth"}
     assert set(reg["exit_depth"]["coefficients"]) == set(A.BREVO_FEATURES)
@@ -587,3 +596,204 @@ def test_eval_options_validation_and_overrides():
     assert C._compare_specs(["x"], "base") == [("x", "base")]
     with pytest.raises(ValueError, match="single --compare"):
         C._compare_specs(["x", "y"], "base")
+
+
+# ----------------------------------------------------------------------------------------------
+# greedy exact match from one teacher-forced forward
+# ----------------------------------------------------------------------------------------------
+
+
+def _example(prompt_ids, answer_ids):
+    from retrofit.evaluation.rows import Example
+
+    m = len(answer_ids)
+    return Example(row={"prompt": "", "answer": "", "difficulty": 1}, level=1, prompt_ids=list(prompt_ids),
+                   answer_ids=list(answer_ids), segment="", owner=np.zeros(m, dtype=np.int64),
+                   first_tok=np.zeros(1, dtype=np.int64), features=None)
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_teacher_forced_argmax_equals_greedy_generation(tok, plain):
+    """argmax_pass's row_correct == (real greedy generation emits exactly gold + a stop token), on rows
+    where it holds and rows where it fails at every place it can fail, under the decider, a forced depth
+    and the kl exit; step depths equal the generation's producing-step depths where it holds."""
+    import random
+
+    from retrofit.evaluation.decoding import stop_rule
+    from retrofit.evaluation.teacher_forced import argmax_pass
+    from retrofit.testing import tiny_base
+
+    model = tiny_base("llama", seed=3) if plain else _looped(seed=3)
+    nl = tok.convert_tokens_to_ids("\n")
+    with torch.no_grad():  # a stronger "\n" row in the (tied) LM head, so that greedy rows do stop
+        model.lm_head.weight[nl] *= 12.0 if plain else 4.0
+    is_stop = stop_rule(model, tok)
+    rng = random.Random(0)
+    prompts = [
+        tok(" ".join(rng.choice("+-*") if rng.random() < 0.4 else str(rng.randrange(23)) for _ in range(rng.randint(2, 7)))
+            + " =")["input_ids"]
+        for _ in range(24)
+    ]
+    info = model_info(model)
+    cases = [{}] if plain else [{}, {"depth": 2}, {"exit_policy": "kl", "exit_threshold": 0.05}]
+    max_new = 8
+    for kw in cases:
+        gens = R.greedy_generate(model, tok, prompts, max_new, batch_size=5, **kw)
+        examples, expected, gen_of = [], [], []
+        for p, g in zip(prompts, gens):
+            ids = g["ids"]
+            stopped = is_stop(ids[-1])
+            golds = []
+            if stopped and len(ids) > 1:
+                gold = ids[:-1]
+                golds += [gold, gold[:-1] or [ids[0] + 1], gold + [ids[-1] + 1 if ids[-1] + 1 != nl else 5],
+                          gold[:-1] + [(gold[-1] + 7) % 100 + 4]]
+            else:
+                golds += [ids[:3], ids[:1]]
+            for gold in golds:
+                if not gold:
+                    continue
+                examples.append(_example(p, gold))
+                m = len(gold)
+                expected.append(ids[:m] == gold and len(ids) > m and is_stop(ids[m]))
+                gen_of.append(g)
+        got = argmax_pass(model, info, examples, pad_id(tok), EvalOptions(batch_size=4, progress=False), is_stop,
+                          max_new, "tf", **kw)
+        assert [r["row_correct"] for r in got] == expected, kw
+        assert sum(expected) >= 6 and len(expected) - sum(expected) >= 20, ("need rows where it holds and not", kw, sum(expected))
+        for r, ok, g in zip(got, expected, gen_of):
+            if ok:
+                assert r["step_depths"].tolist() == g["depths"], kw
+        if kw.get("depth"):
+            assert all(set(r["step_depths"].tolist()) == {2} for r in got)
+    # a budget too small for answer + stop: never correct (greedy generation would be cut off)
+    right = [e for e, ok in zip(examples, expected) if ok]
+    short = argmax_pass(model, info, right, pad_id(tok), EvalOptions(progress=False), is_stop,
+                        min(len(e.answer_ids) for e in right), "tf")
+    assert not all(r["row_correct"] for r in short)
+
+
+def test_evaluate_task_teacher_forced_accuracy(looped, tok):
+    """accuracy="teacher_forced_argmax" in evaluate_task: the level accuracy is the argmax pass's,
+    forced-depth accuracies come from forced-depth argmax passes, and no generation runs."""
+    from retrofit.evaluation.decoding import stop_rule
+    from retrofit.evaluation.teacher_forced import argmax_pass
+
+    rows = R.task_rows("mano", [2, 3], n=3, seed=2)
+    opts = EvalOptions(accuracy="teacher_forced_argmax", progress=False, batch_size=4)
+    calls = []
+    orig = type(looped).generate
+    type(looped).generate = lambda self, *a, **k: calls.append(1) or orig(self, *a, **k)
+    try:
+        res = R.evaluate_task(looped, tok, "mano", rows=rows, options=opts, policy_generation=True)
+    finally:
+        type(looped).generate = orig
+    assert not calls, "teacher_forced_argmax must not generate"
+    examples = prepare(rows, tok, opts)
+    max_new = max(len(e.answer_ids) for e in examples) + 2
+    ref = argmax_pass(looped, model_info(looped), examples, pad_id(tok), opts, stop_rule(looped, tok), max_new, "tf")
+    for lvl in (2, 3):
+        ok = [r["row_correct"] for r, e in zip(ref, examples) if e.level == lvl]
+        assert res["levels"][lvl]["accuracy"] == pytest.approx(np.mean(ok))
+    for d in (1, 2, 3):
+        forced = argmax_pass(looped, model_info(looped), examples, pad_id(tok), opts, stop_rule(looped, tok), max_new,
+                             "tf", depth=d)
+        assert res["forced_depth_accuracy"][d] == pytest.approx(np.mean([r["row_correct"] for r in forced]))
+    assert "generation_accuracy" in res["exit_policies"]["kl"]
+
+
+# ----------------------------------------------------------------------------------------------
+# LANO / BREVO on the model's own strings
+# ----------------------------------------------------------------------------------------------
+
+
+def _gen(tok, text, stop="\n"):
+    ids = tok(text + stop, add_special_tokens=False)["input_ids"]
+    return {"ids": ids, "text": tok.decode(ids, skip_special_tokens=True), "depths": [1] * len(ids)}
+
+
+def test_generated_examples_keep_the_valid_prefix(tok):
+    from data_prep import brevo, lano
+    from data_prep.tasks import build_dataset
+
+    from retrofit.evaluation.decoding import stop_rule
+    from retrofit.evaluation.structure import generated_examples
+
+    is_stop = stop_rule(tiny_base_for_stop(), tok)
+    rows = build_dataset("lano", [9, 10], 1, seed=2).to_list()
+    exs = prepare(rows, tok, EvalOptions())
+    w0, w1 = rows[0]["answer"].split(), rows[1]["answer"].split()
+    gens = [_gen(tok, " " + " ".join(w0)), _gen(tok, " " + " ".join(w1[:4] + ["z"] + w1[5:]))]
+    out, stats = generated_examples("lano", exs, gens, tok, is_stop)
+    assert stats == {"rows": 2, "rows_used": 2, "words_generated": 19, "words_valid": 13, "rows_fully_valid": 1}
+    assert out[0].features == lano.token_features(w0) and out[1].features == lano.token_features(w1[:4])
+    for e, words in zip(out, (w0, w1[:4])):
+        # each valid word's first token is that word's character, in the generated ids (stop token dropped)
+        assert [tok.decode([e.answer_ids[k]]) for k in e.first_tok] == words
+        assert not is_stop(e.answer_ids[-1])
+    # BREVO: another valid order is analysed along that order; an invalid start gives nothing
+    rows = [r for r in build_dataset("brevo", [6, 7, 8], 4, seed=1).to_list() if len(r["answer"].split()) >= 3]
+    exs = prepare(rows, tok, EvalOptions())
+    gens, orders = [], []
+    for r in rows:
+        edges, query = brevo.parse_prompt(r["prompt"])
+        order = r["answer"].split()
+        alt = next((order[:i] + [order[i + 1], order[i]] + order[i + 2 :] for i in range(len(order) - 1)
+                    if brevo.is_valid_answer(edges, query, order[:i] + [order[i + 1], order[i]] + order[i + 2 :])),
+                   order)
+        orders.append((edges, query, alt))
+        gens.append(_gen(tok, " " + " ".join(alt)))
+    gens.append(_gen(tok, " " + query))  # the query is not its own dependency
+    out, stats = generated_examples("brevo", exs + exs[-1:], gens, tok, is_stop)
+    assert stats["rows_used"] == len(rows) and stats["rows_fully_valid"] == len(rows)
+    for e, (edges, query, alt) in zip(out, orders):
+        assert e.features == brevo.order_features(edges, query, alt)
+
+
+def tiny_base_for_stop():
+    from retrofit.testing import tiny_base
+
+    return tiny_base("llama")
+
+
+def test_lano_spearman_on_generated_strings_vs_bruteforce(tok, monkeypatch):
+    """The default LANO analysis: the model's own (here scripted) strings, their valid prefix, E[d] at
+    each word's own position ("input"), pooled Spearman — recomputed by hand, unbatched."""
+    from data_prep import lano
+    from data_prep.tasks import build_dataset
+
+    import retrofit.evaluation.task_eval as TE
+
+    looped = _looped(seed=4)  # its expected depths vary on these rows
+
+    rows = build_dataset("lano", [8, 10], 2, seed=6).to_list()
+    scripted = []
+    for r in rows:
+        words = r["answer"].split()
+        scripted.append(_gen(tok, " " + " ".join(words[:-2] + ["z"])))  # the last words go wrong
+
+    def fake_generate(model, tokenizer, prompts, max_new, **kw):
+        assert len(prompts) == len(scripted)
+        return scripted
+
+    monkeypatch.setattr(TE, "greedy_generate", fake_generate)
+    res = R.evaluate_task(looped, tok, "lano", rows=rows, progress=False, forced_depths=False, exit_policies=False)
+    assert res["structure_strings"]["words_valid"] == sum(len(r["answer"].split()) - 2 for r in rows)
+    depths, feats = [], []
+    for r, g in zip(rows, scripted):
+        prompt_ids = tok(r["prompt"])["input_ids"]
+        ids = g["ids"][:-1]  # without the stop token
+        with torch.no_grad():
+            out = looped(torch.tensor([prompt_ids + ids]))
+        exp_depth = (out.depth_probs[0] * torch.arange(1, 4)).sum(-1)
+        words = r["answer"].split()[:-2]
+        text = tok.decode(ids)
+        starts = [m.start() for m in re.finditer(r"\S+", text)][: len(words)]
+        depths += [float(exp_depth[len(prompt_ids) + s]) for s in starts]  # char tokenizer: char i = token i
+        feats += lano.token_features(words)
+    for proxy in A.LANO_PROXIES:
+        ref = scipy.stats.spearmanr(depths, [f[proxy] for f in feats]).statistic
+        got = res["spearman"][proxy]["rho"]
+        assert got == pytest.approx(ref, abs=1e-6) or (math.isnan(got) and math.isnan(ref)), proxy
+        assert res["spearman"][proxy]["n"] == len(depths)
+    assert np.std(depths) > 0.05 and not math.isnan(res["spearman"]["multiplications"]["rho"])

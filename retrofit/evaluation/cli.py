@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import analysis as A
-from .options import DEFAULT_BATCH_SIZE, DEFAULT_N, GENERATION_BACKENDS, EvalOptions
+from .options import ACCURACY_MODES, DEFAULT_BATCH_SIZE, DEFAULT_N, GENERATION_BACKENDS, STRUCTURE_STRINGS, EvalOptions
 from .runner import as_list, evaluate
 
 __all__ = ["add_arguments", "run"]
@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help=_help("chat"))
     parser.add_argument("--answer-sep", default=" ", help=_help("answer_sep"))
     parser.add_argument("--alignment", choices=A.ALIGNMENTS, default=_default("alignment"), help=_help("alignment"))
+    parser.add_argument("--accuracy", choices=ACCURACY_MODES, default=_default("accuracy"), help=_help("accuracy"))
+    parser.add_argument("--structure-strings", choices=STRUCTURE_STRINGS, default=_default("structure_strings"),
+                        help=_help("structure_strings"))
     parser.add_argument("--no-forced-generation", "--no-forced-depths", dest="no_forced_depths", action="store_true",
                         help="skip the forced-depth sweep 1..D (saves D passes)")
     parser.add_argument("--no-exit-policies", action="store_true", help="skip " + _help("exit_policies")[0].lower()
@@ -167,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
             answer_sep=args.answer_sep, alignment=args.alignment, forced_depths=not args.no_forced_depths,
             exit_policies=not args.no_exit_policies, policy_generation=not args.no_policy_generation,
             html_samples=args.html_samples, progress=not args.quiet, backend=args.generation_backend,
-            difficulty_reference=args.difficulty_reference,
+            difficulty_reference=args.difficulty_reference, accuracy=args.accuracy,
+            structure_strings=args.structure_strings,
         )
         results = evaluate(
             model, tok, tasks, levels=levels, n=args.n, seed=args.seed, out_dir=args.out, name=name,

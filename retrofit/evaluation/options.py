@@ -19,10 +19,12 @@ from typing import Any
 from .analysis import ALIGNMENTS
 
 __all__ = [
+    "ACCURACY_MODES",
     "ALIGNMENTS",
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_N",
     "GENERATION_BACKENDS",
+    "STRUCTURE_STRINGS",
     "EvalOptions",
     "resolve_options",
 ]
@@ -30,6 +32,8 @@ __all__ = [
 DEFAULT_N = 20
 DEFAULT_BATCH_SIZE = 8
 GENERATION_BACKENDS = ("auto", "generate", "loop")
+STRUCTURE_STRINGS = ("generated", "gold")
+ACCURACY_MODES = ("generate", "teacher_forced_argmax")
 #: Old keyword names still accepted by ``evaluate`` / ``evaluate_task``.
 LEGACY_NAMES = {"forced_generation": "forced_depths"}
 
@@ -52,11 +56,26 @@ class EvalOptions:
         "Wrap each prompt in the tokenizer's chat template (default: continue the raw prompt).", False
     )
     answer_sep: str = _help("Text between a raw prompt and its answer (ignored with chat).", " ")
+    accuracy: str = _help(
+        "How accuracy (levels, forced depths, exit policies) is measured. 'generate': greedy generation scored "
+        "by the task's scorer. 'teacher_forced_argmax': one teacher-forced forward per batch; a row is correct "
+        "iff every gold answer token and then a stop token is the argmax given the gold prefix, which is exactly "
+        "'greedy output == gold answer + stop' because every exit rule here is causal (a token's depth never "
+        "depends on later tokens). It is a lower bound of 'generate' where the scorer accepts other strings "
+        "(lano, brevo, whitespace variants), and does not stand for sampling.",
+        "generate",
+    )
     alignment: str = _help(
-        "Whose depth an answer token gets: 'input' = its own position's (ANIRA's convention, the compute spent "
-        "reading it) or 'predict' = the position that produced it. Losses, token accuracies, exit policies and "
-        "the per-token difficulty analysis always use the producing position (they are next-token predictions).",
-        "predict",
+        "Whose depth an answer token gets in the teacher-forced depth statistics (d̄, E[d], LANO, BREVO): "
+        "'input' = its own position's (ANIRA's convention, the compute spent reading it) or 'predict' = the "
+        "position that produced it. Losses, token accuracies, exit policies, the per-token difficulty analysis "
+        "and generation compute always use the producing position (what decoding computes).",
+        "input",
+    )
+    structure_strings: str = _help(
+        "Strings the LANO Spearman and BREVO regression are measured on: 'generated' (the model's own greedy "
+        "answers, as ANIRA does) or 'gold' (the reference answers, teacher-forced).",
+        "generated",
     )
     forced_depths: bool = _help(
         "Also measure accuracy with every token forced to each depth 1..D (the test-time scaling curve).",
@@ -102,8 +121,10 @@ class EvalOptions:
 
         positive_int("batch_size", self.batch_size)
         positive_int("max_new_tokens", self.max_new_tokens, allow_none=True)
+        choice("accuracy", self.accuracy, ACCURACY_MODES)
         choice("alignment", self.alignment, ALIGNMENTS)
         choice("backend", self.backend, GENERATION_BACKENDS)
+        choice("structure_strings", self.structure_strings, STRUCTURE_STRINGS)
         positive_int("bootstrap_samples", self.bootstrap_samples)
         if isinstance(self.html_samples, bool) or not isinstance(self.html_samples, int) or self.html_samples < 0:
             raise ValueError(f"html_samples must be an int >= 0, got {self.html_samples!r}")

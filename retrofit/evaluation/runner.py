@@ -160,13 +160,18 @@ def evaluate(
             "max_new_tokens": opts.max_new_tokens if opts.max_new_tokens is not None else "auto (longest answer + 2)",
             "input_format": "chat template" if opts.chat else f"raw continuation, answer separator {opts.answer_sep!r}",
             "depth_alignment": opts.alignment,
-            "accuracy": "exact match (task scorer) of greedy generation, stop at EOS or newline",
+            "accuracy": (
+                "greedy output == gold answer + stop token, from one teacher-forced forward (exact for causal exits)"
+                if opts.accuracy == "teacher_forced_argmax"
+                else "task scorer on greedy generation, stop at EOS or newline"
+            ),
             "accuracy_interval": f"Wilson score interval, {opts.confidence:.0%}",
             "paired_tests": f"{name} vs each other model on the same rows: exact McNemar (two-sided) and a paired "
             f"bootstrap of the accuracy difference ({opts.bootstrap_samples} resamples, seed {opts.stats_seed})",
             "rows_needed_for_10_points": f"{rows_needed(0.10)} per level (paired test, 80% power, two-sided 5%, "
             "independent errors at 50% accuracy: the worst case; retrofit.evaluation.stats.rows_needed)",
             "depth_statistics": "teacher-forced on the gold answer's content tokens",
+            "lano_brevo_strings": opts.structure_strings,
             "exit_policies": "teacher-forced next-token accuracy on answer tokens; thresholds calibrated to "
             "the decider's mean depth (full-context frame, re-measured exactly where the engine implements the exit)",
             "token_difficulty_reference": reference,
@@ -179,6 +184,13 @@ def evaluate(
     for t in task_objs:
         t_rows = rows.get(t.name) if rows is not None else None
         task_data[t.name] = task_rows(t, levels_for(t, levels), n, seed, limit) if t_rows is None else t_rows
+    # every report states which levels trained and which were held out
+    for t in task_objs:
+        evaluated = sorted({int(r["difficulty"]) for r in task_data[t.name]})
+        train = levels_for(t, train_levels)
+        train = list(t.default_train_levels if train is None else train)
+        results["config"].setdefault("train_levels", {})[t.name] = train
+        results["config"].setdefault("held_out_levels", {})[t.name] = [lv for lv in evaluated if lv not in train]
     arrays: dict[str, dict[str, TaskArrays]] = {t.name: {} for t in task_objs}
     for mname, m, tok in models:
         entry: dict[str, Any] = {"tasks": {}}

@@ -2,11 +2,14 @@
 
 What is measured (options: :class:`~retrofit.evaluation.options.EvalOptions`):
 
-* **Accuracy** per level: exact match with the task's scorer (``Task.score``) on greedy
-  generation (:mod:`~retrofit.evaluation.decoding`: stop at EOS or a newline token, budget the
-  longest gold answer + 2 tokens). The same at every forced depth ``1 … D`` (the test-time
-  scaling curve, ``forced_depth_accuracy``). ``gen_mean_depth`` is the mean depth over generated
-  tokens.
+* **Accuracy** per level, with ``accuracy="generate"``: the task's scorer (``Task.score``) on
+  greedy generation (:mod:`~retrofit.evaluation.decoding`: stop at EOS or a newline token, budget
+  the longest gold answer + 2 tokens); with ``"teacher_forced_argmax"``: whether greedy decoding
+  would emit exactly the gold answer and a stop token, read from the teacher-forced forward
+  (:func:`~retrofit.evaluation.teacher_forced.argmax_pass`; no generation). The same at every
+  forced depth ``1 … D`` (the test-time scaling curve, ``forced_depth_accuracy``).
+  ``gen_mean_depth`` is the mean depth of the decoding steps (the generated tokens' producing
+  steps; teacher-forced: the steps that produce the gold answer and its stop token).
 * **Depth** (teacher-forced, :mod:`~retrofit.evaluation.teacher_forced`): the level ``mean_depth``
   d̄, ``cost_exec`` (Σ_d |A_d|) and ``saving`` (d̄ / D) over the gold answer's content tokens
   (whitespace-only tokens excluded), E[d], next-token ``token_accuracy``, the LANO Spearman and
@@ -26,14 +29,15 @@ from typing import Any
 import numpy as np
 
 from . import analysis as A
-from .decoding import greedy_generate
+from .decoding import greedy_generate, stop_rule
 from .metrics import accuracy_by_level, cost_exec, flops_ratio, loss_change_stats, spearman
 from .models import flops_per_token, model_info, pad_id
 from .options import DEFAULT_N, EvalOptions, resolve_options
 from .policies import cat, exit_policies, mean, seq_acc
 from .rows import prepare, split_of, task_rows
 from .stats import wilson_interval
-from .teacher_forced import teacher_forced
+from .structure import generated_examples
+from .teacher_forced import argmax_pass, teacher_forced
 
 __all__ = ["TaskArrays", "evaluate_task", "evaluate_task_arrays"]
 
@@ -150,17 +154,31 @@ def _evaluate_task(
     tag = f"{name}/{task.name}"
     levels_sorted = sorted({e.level for e in examples})
 
+    is_stop = stop_rule(model, tokenizer)
+    tf_mode = opts.accuracy == "teacher_forced_argmax"
+
     def generate(desc, **kw):
+        # producing-step depths ("predict"): what decoding computes, for compute and samples.html
         return greedy_generate(
-            model, tokenizer, prompts, max_new, batch_size=opts.batch_size, alignment=opts.alignment,
+            model, tokenizer, prompts, max_new, batch_size=opts.batch_size, alignment="predict",
             backend=opts.backend, progress=opts.progress, desc=f"{tag} {desc}", **kw,
         )
 
     def score(gens) -> np.ndarray:
-        return np.array([task.score(g["text"], e.row["answer"]) for g, e in zip(gens, examples)], dtype=bool)
+        return np.array(
+            [task.score(g["text"], e.row["answer"], prompt=e.row["prompt"]) for g, e in zip(gens, examples)], dtype=bool
+        )
 
-    def gen_depths(gens) -> np.ndarray:
-        return np.concatenate([np.asarray(g["depths"], dtype=np.int64) for g in gens])
+    def outcomes(desc, **kw) -> tuple[np.ndarray, list[np.ndarray], list[dict] | None]:
+        """Per row: correct, and the depths of the decoding steps; plus the generations ('generate' mode)."""
+        if tf_mode:
+            res = tf if not kw else argmax_pass(model, info, examples, pad, opts, is_stop, max_new, f"{tag} {desc}", **kw)
+            return np.array([r["row_correct"] for r in res], dtype=bool), [r["step_depths"] for r in res], None
+        gens = generate(desc, **kw)
+        return score(gens), [np.asarray(g["depths"], dtype=np.int64) for g in gens], gens
+
+    def gen_depths(steps) -> np.ndarray:
+        return np.concatenate([np.asarray(x, dtype=np.int64) for x in steps]) if steps else np.zeros(0, np.int64)
 
     def ci(c: np.ndarray) -> list[float]:
         return list(wilson_interval(int(c.sum()), int(c.size), opts.confidence))
@@ -184,10 +202,12 @@ def _evaluate_task(
             }
         )
 
-    # --- generation with the model's own exits ------------------------------------------------
-    gens = generate("generate")
-    correct = score(gens)
-    tf = teacher_forced(model, info, examples, pad, opts, f"{tag} teacher-forced", per_depth=opts.exit_policies)
+    # --- accuracy with the model's own exits, and the teacher-forced pass -------------------------
+    tf = teacher_forced(
+        model, info, examples, pad, opts, f"{tag} teacher-forced", per_depth=opts.exit_policies,
+        is_stop=is_stop if tf_mode else None, max_new_tokens=max_new,
+    )
+    correct, steps, gens = outcomes("generate")
 
     # --- per level ----------------------------------------------------------------------------
     by_level = accuracy_by_level([{"level": e.level, "correct": bool(c)} for e, c in zip(examples, correct)])
@@ -216,7 +236,7 @@ def _evaluate_task(
                 saving=c["saving"],
                 depth_histogram=c["depth_histogram"],
                 expected_depth=mean(cat(tfs, "tok_exp_depth", exs)),
-                gen_mean_depth=mean(gen_depths([gens[i] for i in idx])),
+                gen_mean_depth=mean(gen_depths([steps[i] for i in idx])),
                 layers_per_token=info.layers(c["mean_depth"]),
                 flops_per_token=flops_per_token(model, info, depths),
             )
@@ -246,7 +266,7 @@ def _evaluate_task(
     if info.looped:
         depths = cat(tf, "tok_depth", examples)
         c = cost_exec(depths, max_depth=D)
-        gd = mean(gen_depths(gens))
+        gd = mean(gen_depths(steps))
         overall.update(
             mean_depth=c["mean_depth"],
             saving=c["saving"],
@@ -277,7 +297,7 @@ def _evaluate_task(
             forced_acc: dict[int, float] = {}
             forced_by_level: dict[int, dict[Any, float]] = {}
             for d in range(1, D + 1):
-                c_d = score(generate(f"depth {d}", depth=d))
+                c_d, _, _ = outcomes(f"depth {d}", depth=d)
                 forced_acc[d] = float(c_d.mean())
                 forced_by_level[d] = {
                     lvl: float(np.mean([c for c, e in zip(c_d, examples) if e.level == lvl])) for lvl in levels_sorted
@@ -287,7 +307,7 @@ def _evaluate_task(
             result["forced_depth_accuracy_by_level"] = forced_by_level
             for lvl in levels_sorted:
                 level_entries[lvl]["forced_accuracy"] = {d: forced_by_level[d][lvl] for d in forced_by_level}
-        point("adaptive", correct, gen_depths(gens))
+        point("adaptive", correct, gen_depths(steps))
     else:
         point("plain", correct, [])
 
@@ -300,10 +320,9 @@ def _evaluate_task(
         result["loss_change"] = loss_change_stats(nll[:, 0], nll[:, D - 1])
 
         def generate_accuracy(**kw):
-            g = generate(f"{kw['exit_policy']} exit", **kw)
-            c_g = score(g)
-            point(kw["exit_policy"], c_g, gen_depths(g))
-            return float(c_g.mean()), mean(gen_depths(g))
+            c_g, s_g, _ = outcomes(f"{kw['exit_policy']} exit", **kw)
+            point(kw["exit_policy"], c_g, gen_depths(s_g))
+            return float(c_g.mean()), mean(gen_depths(s_g))
 
         result["exit_policies"] = exit_policies(
             model, info, examples, tf, float(correct.mean()), overall["gen_mean_depth"], pad, opts, exit_target_depth,
@@ -314,7 +333,16 @@ def _evaluate_task(
 
     # --- depth vs difficulty features ----------------------------------------------------------
     if info.looped and task.name in ("lano", "brevo"):
-        _structure_analysis(task, examples, tf, result, notes)
+        if opts.structure_strings == "generated":
+            if gens is None:  # teacher-forced accuracy: these analyses still need the model's own strings
+                gens = generate("generate (own strings)")
+            s_examples, stats = generated_examples(task.name, examples, gens, tokenizer, is_stop)
+            s_tf = teacher_forced(model, info, s_examples, pad, opts, f"{tag} own strings", per_depth=False)
+            result["structure_strings"] = {"strings": "generated", **stats}
+        else:
+            s_examples, s_tf = examples, tf
+            result["structure_strings"] = {"strings": "gold", "rows": len(examples)}
+        _structure_analysis(task, s_examples, s_tf, result, notes)
 
     result["compute_points"] = compute_points
 
@@ -323,15 +351,19 @@ def _evaluate_task(
     for lvl in levels_sorted:
         idx = [i for i, e in enumerate(examples) if e.level == lvl][: opts.html_samples]
         for i in idx:
-            e, g = examples[i], gens[i]
+            e = examples[i]
+            if gens is not None:
+                shown, what = gens[i]["ids"], f"generated {gens[i]['text'].strip()!r}"
+            else:
+                shown, what = e.answer_ids, "teacher-forced gold, greedy output == gold + stop:"
             samples.append(
                 {
                     "title": (
                         f"{name} · {task.name} {task.knob}={lvl} · gold {e.row['answer']!r} · "
-                        f"generated {g['text'].strip()!r} · {'correct' if correct[i] else 'wrong'}"
+                        f"{what} {'correct' if correct[i] else 'wrong'}"
                     ),
-                    "tokens": _token_texts(tokenizer, e.prompt_ids) + _token_texts(tokenizer, g["ids"]),
-                    "depths": [0] * len(e.prompt_ids) + list(g["depths"]),
+                    "tokens": _token_texts(tokenizer, e.prompt_ids) + _token_texts(tokenizer, shown),
+                    "depths": [0] * len(e.prompt_ids) + [int(x) for x in steps[i][: len(shown)]],
                     "max_depth": D,
                 }
             )
@@ -351,6 +383,9 @@ def _evaluate_task(
 
 def _structure_analysis(task, examples, tf, result, notes) -> None:
     """LANO Spearman / BREVO regression of per-word depth on the task's per-word features."""
+    if not examples:
+        notes.append(f"{task.name}: no row has a valid word to analyse; correlation analysis skipped")
+        return
     key = "tok_exp_depth" if task.name == "lano" else "tok_depth"
     word_depths = [A.word_values(t[key], e.first_tok) for t, e in zip(tf, examples)]
     feats = [e.features for e in examples]
@@ -358,8 +393,10 @@ def _structure_analysis(task, examples, tf, result, notes) -> None:
         notes.append(f"{task.name}: rows without token_features; correlation analysis skipped")
         return
     if task.name == "lano":
-        # ANIRA Table 1 correlates the per-token EXPECTED depth with the parser proxies
-        result["spearman"] = A.lano_spearman(word_depths, feats)
+        # ANIRA Table 1 correlates the per-token EXPECTED depth with the parser proxies; chart_edges
+        # (the parser's edge count) is shown next to them
+        proxies = A.LANO_PROXIES + tuple(k for k in ("chart_edges",) if all(k in f for fs in feats for f in fs))
+        result["spearman"] = A.lano_spearman(word_depths, feats, proxies)
     else:
         regs = {}
         for label, k in (("exit_depth", "tok_depth"), ("expected_depth", "tok_exp_depth")):

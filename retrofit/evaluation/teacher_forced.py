@@ -10,11 +10,26 @@ Deterministic, exact per-token depths, cheap. Per example and answer token ``j``
 * with ``per_depth=True`` and D > 1, from one more forward with every token at depth D
   (``output_depth_logits``, ``output_depth_losses``): ``correct_d`` ``[m, D]``, ``nll_d``
   ``[m, D]`` and the exit signals ``kl`` / ``state`` ``[m, D-1]``, ``confidence`` ``[m, D]``.
+
+Greedy exact match from one forward (``accuracy="teacher_forced_argmax"``). Greedy decoding emits
+``argmax p(· | prefix)`` at every step, and every exit rule here (decider, ANIRA, kl, state, a
+forced depth) is causal: a position's depth and logits depend only on the tokens up to it. So
+when the generated prefix equals the gold prefix, the next generated token is the argmax of the
+teacher-forced logits at that position; by induction the greedy output is exactly
+``gold answer + stop token`` iff (1) every gold answer token is the teacher-forced argmax at its
+producing position, (2) the argmax after the last answer token is a stop token
+(:func:`~retrofit.evaluation.decoding.stop_rule`), (3) no gold token before it is itself a stop
+token (greedy decoding would have stopped there) and (4) the budget has room: ``m + 1 <=
+max_new_tokens``. :func:`argmax_pass` checks exactly that (``row_correct``), and tests compare it
+with real greedy generation. It does not apply to sampling, or to a policy that looks at later
+tokens (none does). The depths of the steps that would produce ``gold + stop`` are ``step_depths``
+``[m + 1]`` (the producing positions, then the last answer position).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +39,7 @@ from .models import ModelInfo, batches, device, forward, progress_bar
 from .options import EvalOptions
 from .rows import Example
 
-__all__ = ["policy_pass", "teacher_forced"]
+__all__ = ["argmax_pass", "policy_pass", "teacher_forced", "tf_batch"]
 
 # Upper bound for the [D, B, T, V] per-depth logits of one forced-depth forward.
 _DEPTH_LOGITS_BUDGET = 512 * 2**20
@@ -62,9 +77,20 @@ def _length_order(examples: Sequence[Example]) -> list[int]:
 
 @torch.no_grad()
 def teacher_forced(
-    model, info: ModelInfo, examples: list[Example], pad: int, opts: EvalOptions, desc: str, per_depth: bool = True
-) -> list[dict[str, np.ndarray]]:
+    model,
+    info: ModelInfo,
+    examples: list[Example],
+    pad: int,
+    opts: EvalOptions,
+    desc: str,
+    per_depth: bool = True,
+    is_stop=None,
+    max_new_tokens: int | None = None,
+) -> list[dict[str, Any]]:
     """The adaptive forward (+ the depth-D forward when ``per_depth``) on prompt + gold answer.
+
+    With ``is_stop`` (and ``max_new_tokens``) each example also gets :func:`argmax_pass`'s
+    ``row_correct`` and ``step_depths`` from the same adaptive forward.
 
     Returns:
         Per example a dict of numpy arrays over its answer tokens (keys: module docstring).
@@ -96,6 +122,9 @@ def teacher_forced(
                     probs[r, tok] if probs is not None else None, depths[r, tok]
                 )
                 d["pred_depth"] = depths[r, pred].cpu().numpy()
+            if is_stop is not None:
+                top = logits[r].argmax(-1)
+                d.update(_argmax_row(top, depths[r] if info.looped else None, e, s, is_stop, max_new_tokens))
             res[i] = d
         if per_depth and info.looped and D > 1:
             T = ids.shape[1]
@@ -155,3 +184,54 @@ def policy_pass(model, info: ModelInfo, examples, pad, opts: EvalOptions, policy
                 (out.logits[r, pred].argmax(-1) == gold).cpu().numpy(),
             )
     return out_list
+
+
+@torch.no_grad()
+def argmax_pass(
+    model,
+    info: ModelInfo,
+    examples: list[Example],
+    pad: int,
+    opts: EvalOptions,
+    is_stop,
+    max_new_tokens: int,
+    desc: str,
+    **forward_kw,
+) -> list[dict[str, Any]]:
+    """Greedy exact match from one teacher-forced forward per batch (module docstring).
+
+    Args:
+        is_stop: ``token id -> bool``, the generation stop rule.
+        max_new_tokens: the generation budget the result stands for.
+        **forward_kw: exit control of the looped forward (``depth=``, ``exit_policy=``,
+            ``exit_threshold=``); ignored for a plain model.
+
+    Returns:
+        Per example ``{"row_correct": bool, "step_depths": [m + 1] int (1 for a plain model),
+        "token_correct": [m] bool}``.
+    """
+    dev = device(model)
+    res: list[dict[str, Any] | None] = [None] * len(examples)
+    for chunk in progress_bar(list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"):
+        exs = [examples[i] for i in chunk]
+        ids, mask, starts = tf_batch(exs, pad, dev)
+        out = forward(model, info, ids, mask, **forward_kw)
+        top = out.logits.argmax(-1)  # [B, T]
+        for r, (i, e) in enumerate(zip(chunk, exs)):
+            res[i] = _argmax_row(top[r], out.depths[r] if info.looped else None, e, starts[r], is_stop, max_new_tokens)
+    return res  # type: ignore[return-value]
+
+
+def _argmax_row(top, depths, e: Example, start: int, is_stop, max_new_tokens: int) -> dict[str, Any]:
+    """Greedy exact match of one row from its argmax tokens ``top`` ``[T]`` (and depths ``[T]`` or None)."""
+    m = len(e.answer_ids)
+    steps = torch.arange(m + 1, device=top.device) + start - 1  # producing positions, then the last answer position
+    token_correct = (top[steps[:m]] == torch.as_tensor(e.answer_ids, device=top.device)).cpu().numpy()
+    row = bool(
+        token_correct.all()
+        and is_stop(int(top[steps[m]]))
+        and not any(is_stop(int(t)) for t in e.answer_ids)
+        and m + 1 <= max_new_tokens
+    )
+    step_depths = depths[steps].cpu().numpy() if depths is not None else np.ones(m + 1, dtype=np.int64)
+    return {"row_correct": row, "step_depths": step_depths, "token_correct": token_correct}
