@@ -1,7 +1,7 @@
 """Before/after figures of the evaluation's fidelity changes, on one tiny checkpoint; prints JSON (not a test).
 
-    python benchmarks/eval_fidelity.py                 # trains the checkpoint once (~2 min on an idle core), then measures
-    python benchmarks/eval_fidelity.py --ckpt DIR      # where the checkpoint is cached (default /tmp/retrofit_fidelity_ckpt)
+    python benchmarks/eval_fidelity.py             # trains the checkpoint once (~4 min on an idle core), then measures
+    python benchmarks/eval_fidelity.py --ckpt DIR  # the cached checkpoint (default /tmp/retrofit_fidelity_ckpt)
 
 The checkpoint: a small character-level Llama (4 layers, hidden 128) trained from scratch, in one
 process and seeded, on BREVO (N = 3..5), LANO (length 6..8) and MANO (L = 1..2) rows (loss on the
@@ -51,9 +51,19 @@ def build_checkpoint(path: Path, steps: int, seed: int = 0):
         p = tok(r["prompt"])["input_ids"]
         a = tok(" " + r["answer"] + "\n", add_special_tokens=False)["input_ids"]
         seqs.append((p, a))
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, pad_token_id=0,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
@@ -62,7 +72,7 @@ def build_checkpoint(path: Path, steps: int, seed: int = 0):
     model.train()
     t0 = time.time()
     for step in range(steps):
-        batch = rng.sample(seqs, 48)
+        batch = rng.sample(seqs, 32)
         L = max(len(p) + len(a) for p, a in batch)
         ids = torch.zeros(len(batch), L, dtype=torch.long)
         labels = torch.full((len(batch), L), -100, dtype=torch.long)
@@ -102,7 +112,7 @@ def looped_from(path: Path, seed: int = 0):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="/tmp/retrofit_fidelity_ckpt")
-    ap.add_argument("--steps", type=int, default=2500)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--n", type=int, default=40, help="evaluation rows per level")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -143,28 +153,48 @@ def main() -> None:
         r = evaluate(model, tok, "lano", levels=TASK_LEVELS["lano"], n=args.n, seed=1, options=opts)
         t = r["models"]["model"]["tasks"]["lano"]
         sp = {k: round(v["rho"], 3) if v["rho"] == v["rho"] else None for k, v in t.get("spearman", {}).items()}
-        lano[label] = {"spearman": sp, "n_words": next(iter(t["spearman"].values()))["n"] if t.get("spearman") else 0,
-                       "strings": t.get("structure_strings"), "accuracy": t["overall"]["accuracy"]}
-    lano["note"] = ("before: the 'additions' proxy was the chart-edge count (row chart_edges); after: the inside "
-                    "algorithm's additions (row additions)")
+        lano[label] = {
+            "spearman": sp,
+            "n_words": next(iter(t["spearman"].values()))["n"] if t.get("spearman") else 0,
+            "strings": t.get("structure_strings"),
+            "accuracy": t["overall"]["accuracy"],
+        }
+    lano["note"] = (
+        "before: the 'additions' proxy was the chart-edge count (row chart_edges); after: the inside "
+        "algorithm's additions (row additions)"
+    )
     out["lano"] = lano
 
     # 3. MANO d̄ by alignment
     mano = {}
     for align in ("predict", "input"):
-        r = evaluate(model, tok, "mano", levels=TASK_LEVELS["mano"], n=args.n, seed=1,
-                     options=EvalOptions(alignment=align, **common))
-        mano[align] = {lvl: round(e["mean_depth"], 3) for lvl, e in r["models"]["model"]["tasks"]["mano"]["levels"].items()}
+        r = evaluate(
+            model,
+            tok,
+            "mano",
+            levels=TASK_LEVELS["mano"],
+            n=args.n,
+            seed=1,
+            options=EvalOptions(alignment=align, **common),
+        )
+        mano[align] = {
+            lvl: round(e["mean_depth"], 3) for lvl, e in r["models"]["model"]["tasks"]["mano"]["levels"].items()
+        }
     out["mano_mean_depth"] = {"before_predict": mano["predict"], "after_input": mano["input"]}
 
     # 4. MANO default split
     dd = build_splits("mano", 1, 1, seed=0)
     out["mano_default_split"] = {
-        "before": {"train": [3, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16], "held_out_interp": [7, 11, 15],
-                   "held_out_extrap": [18, 20, 24]},
-        "after": {"train": sorted(set(dd["train"]["difficulty"])), "held_out_interp":
-                  sorted(set(dd["eval_interp"]["difficulty"])) if "eval_interp" in dd else [],
-                  "held_out_extrap": sorted(set(dd["eval_extrap"]["difficulty"]))},
+        "before": {
+            "train": [3, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16],
+            "held_out_interp": [7, 11, 15],
+            "held_out_extrap": [18, 20, 24],
+        },
+        "after": {
+            "train": sorted(set(dd["train"]["difficulty"])),
+            "held_out_interp": sorted(set(dd["eval_interp"]["difficulty"])) if "eval_interp" in dd else [],
+            "held_out_extrap": sorted(set(dd["eval_extrap"]["difficulty"])),
+        },
     }
     print(json.dumps(out, indent=2))
 

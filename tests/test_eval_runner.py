@@ -192,9 +192,22 @@ def test_kl_and_confidence_signals_hand_worked():
     kl = A.kl_signals(logits)
     assert kl.shape == (3, 2)
     torch.testing.assert_close(kl[:, 0].double(), torch.tensor(_KL2, dtype=torch.float64), atol=1e-6, rtol=0)
-    torch.testing.assert_close(kl[:, 1].double(), torch.tensor([0.1 * math.log(0.1 / 0.5) + 0.8 * math.log(0.8 / 0.25) + 0.1 * math.log(0.1 / 0.25), 0.0, 0.0], dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        kl[:, 1].double(),
+        torch.tensor(
+            [0.1 * math.log(0.1 / 0.5) + 0.8 * math.log(0.8 / 0.25) + 0.1 * math.log(0.1 / 0.25), 0.0, 0.0],
+            dtype=torch.float64,
+        ),
+        atol=1e-6,
+        rtol=0,
+    )
     conf = A.confidence_signals(logits)
-    torch.testing.assert_close(conf.double(), torch.tensor([[0.5, 0.5, 0.8], [0.6, 0.6, 0.6], [1 / 3, 0.7, 0.7]], dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        conf.double(),
+        torch.tensor([[0.5, 0.5, 0.8], [0.6, 0.6, 0.6], [1 / 3, 0.7, 0.7]], dtype=torch.float64),
+        atol=1e-6,
+        rtol=0,
+    )
 
 
 def test_exit_depths_and_policy_correct_hand_worked():
@@ -301,8 +314,9 @@ def test_teacher_forced_matches_unbatched_reference(looped, tok):
     examples = prepare(rows, tok, opts)
     info = model_info(looped)
     tf = teacher_forced(looped, info, examples, pad_id(tok), opts, "tf")
-    tf_input = teacher_forced(looped, info, examples, pad_id(tok), EvalOptions(batch_size=3, progress=False), "tf",
-                              per_depth=False)
+    tf_input = teacher_forced(
+        looped, info, examples, pad_id(tok), EvalOptions(batch_size=3, progress=False), "tf", per_depth=False
+    )
     D = info.max_depth
     for e, t in zip(examples, tf):
         ids = torch.tensor([e.prompt_ids + e.answer_ids])
@@ -430,11 +444,35 @@ def test_cli_end_to_end_writes_every_artifact(checkpoint, tmp_path, capsys):
 
     out = tmp_path / "eval"
     argv = [
-        "eval", "--model", str(checkpoint), "--task", "mano,brevo", "--task", "lano",
-        "--levels", "mano=3,4", "--levels", "brevo=4,6", "--levels", "lano=8,9",
-        "--n", "3", "--limit", "4", "--out", str(out), "--quiet", "--name", "looped",
-        "--compare", "tiny-llama=base", "tiny-qwen3=qwen", "--html-samples", "1",
-        "--structure-strings", "gold",  # a random model generates no valid LANO/BREVO string
+        "eval",
+        "--model",
+        str(checkpoint),
+        "--task",
+        "mano,brevo",
+        "--task",
+        "lano",
+        "--levels",
+        "mano=3,4",
+        "--levels",
+        "brevo=4,6",
+        "--levels",
+        "lano=8,9",
+        "--n",
+        "3",
+        "--limit",
+        "4",
+        "--out",
+        str(out),
+        "--quiet",
+        "--name",
+        "looped",
+        "--compare",
+        "tiny-llama=base",
+        "tiny-qwen3=qwen",
+        "--html-samples",
+        "1",
+        "--structure-strings",
+        "gold",  # a random model generates no valid LANO/BREVO string
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -484,8 +522,13 @@ def test_cli_end_to_end_writes_every_artifact(checkpoint, tmp_path, capsys):
         assert base["looped"] is False and "mean_depth" not in next(iter(base["levels"].values()))
         for model in results["models"].values():
             n_tokens_html += sum(len(s["tokens"]) for s in model["tasks"][task]["samples"])
-        for suffix in ("depth_vs_difficulty", "accuracy_vs_difficulty", "accuracy_vs_compute", "loss_change",
-                       "depth_by_token_difficulty"):
+        for suffix in (
+            "depth_vs_difficulty",
+            "accuracy_vs_difficulty",
+            "accuracy_vs_compute",
+            "loss_change",
+            "depth_by_token_difficulty",
+        ):
             _png_ok(out / f"{task}_{suffix}.png")
     lano = results["models"]["looped"]["tasks"]["lano"]["spearman"]
     assert set(lano) == set(A.LANO_PROXIES) | {"chart_edges"} and all(v["n"] > 0 for v in lano.values())
@@ -500,9 +543,19 @@ def test_cli_end_to_end_writes_every_artifact(checkpoint, tmp_path, capsys):
     html = (out / "samples.html").read_text()
     assert html.count('<span class="tok ') == n_tokens_html > 0
     report = (out / "report.md").read_text()
-    for needle in ("## Task: mano", "### Exit policies", "### First-vs-last depth loss change", "Spearman", "R²",
-                   "mano_accuracy_vs_compute.png", "### Paired comparisons", "**looped vs qwen**", "McNemar p",
-                   "### Per-token depth vs difficulty", "MFLOPs/token (base)"):
+    for needle in (
+        "## Task: mano",
+        "### Exit policies",
+        "### First-vs-last depth loss change",
+        "Spearman",
+        "R²",
+        "mano_accuracy_vs_compute.png",
+        "### Paired comparisons",
+        "**looped vs qwen**",
+        "McNemar p",
+        "### Per-token depth vs difficulty",
+        "MFLOPs/token (base)",
+    ):
         assert needle in report
 
 
@@ -514,7 +567,9 @@ def test_evaluate_api_base_model_only(tmp_path, tok):
         {"prompt": "+ 1 2 =", "answer": "3", "difficulty": 1, "task": "mano"},
         {"prompt": "* + 1 2 3 =", "answer": "9", "difficulty": 2, "task": "mano"},
     ]
-    res = R.evaluate(tiny_base("llama"), tok, "mano", out_dir=tmp_path, rows={"mano": rows}, progress=False, name="base")
+    res = R.evaluate(
+        tiny_base("llama"), tok, "mano", out_dir=tmp_path, rows={"mano": rows}, progress=False, name="base"
+    )
     t = res["models"]["base"]["tasks"]["mano"]
     assert [e["n"] for e in t["levels"].values()] == [1, 1]
     (point,) = t["compute_points"]
@@ -538,8 +593,16 @@ def test_evaluate_several_models_token_difficulty_vs_bruteforce(looped, tok):
     rows = R.task_rows("mano", [2, 4], n=3, seed=5)
     sft, base = tiny_base("llama", seed=1), tiny_base("llama", seed=2)
     res = R.evaluate(
-        looped, tok, "mano", rows={"mano": rows}, name="looped", compare=[("sft", sft, tok), ("base", base)],
-        progress=False, forced_depths=False, exit_policies=False, bootstrap_samples=200,
+        looped,
+        tok,
+        "mano",
+        rows={"mano": rows},
+        name="looped",
+        compare=[("sft", sft, tok), ("base", base)],
+        progress=False,
+        forced_depths=False,
+        exit_policies=False,
+        bootstrap_samples=200,
     )
     assert list(res["models"]) == ["looped", "sft", "base"] and set(res["comparisons"]["mano"]) == {"sft", "base"}
     td = res["models"]["looped"]["tasks"]["mano"]["token_difficulty"]
@@ -562,17 +625,36 @@ def test_evaluate_several_models_token_difficulty_vs_bruteforce(looped, tok):
     assert td["hard"]["depth_counts"] == ref["hard"]["depth_counts"]
     assert td["median_loss"] == pytest.approx(ref["median_loss"], abs=1e-5)
     # choosing the reference, and bad names
-    res = R.evaluate(looped, tok, "mano", rows={"mano": rows[:2]}, compare=[("sft", sft, tok), ("base", base, tok)],
-                     progress=False, forced_depths=False, exit_policies=False, difficulty_reference="base",
-                     bootstrap_samples=50)
+    res = R.evaluate(
+        looped,
+        tok,
+        "mano",
+        rows={"mano": rows[:2]},
+        compare=[("sft", sft, tok), ("base", base, tok)],
+        progress=False,
+        forced_depths=False,
+        exit_policies=False,
+        difficulty_reference="base",
+        bootstrap_samples=50,
+    )
     assert res["models"]["model"]["tasks"]["mano"]["token_difficulty"]["reference"] == "base"
     with pytest.raises(ValueError, match="not a model of this run"):
         R.evaluate(looped, tok, "mano", rows={"mano": rows[:1]}, compare=[("sft", sft, tok)], difficulty_reference="x")
     with pytest.raises(ValueError, match="used more than once: sft"):
         R.evaluate(looped, tok, "mano", rows={"mano": rows[:1]}, compare=[("sft", sft, tok), ("sft", base, tok)])
     # the older single form: compare=(model, tokenizer) named compare_name
-    res = R.evaluate(looped, tok, "mano", rows={"mano": rows[:2]}, compare=(base, tok), compare_name="base",
-                     progress=False, forced_depths=False, exit_policies=False, bootstrap_samples=50)
+    res = R.evaluate(
+        looped,
+        tok,
+        "mano",
+        rows={"mano": rows[:2]},
+        compare=(base, tok),
+        compare_name="base",
+        progress=False,
+        forced_depths=False,
+        exit_policies=False,
+        bootstrap_samples=50,
+    )
     assert list(res["models"]) == ["model", "base"] and list(res["comparisons"]["mano"]) == ["base"]
 
 
@@ -607,9 +689,16 @@ def _example(prompt_ids, answer_ids):
     from retrofit.evaluation.rows import Example
 
     m = len(answer_ids)
-    return Example(row={"prompt": "", "answer": "", "difficulty": 1}, level=1, prompt_ids=list(prompt_ids),
-                   answer_ids=list(answer_ids), segment="", owner=np.zeros(m, dtype=np.int64),
-                   first_tok=np.zeros(1, dtype=np.int64), features=None)
+    return Example(
+        row={"prompt": "", "answer": "", "difficulty": 1},
+        level=1,
+        prompt_ids=list(prompt_ids),
+        answer_ids=list(answer_ids),
+        segment="",
+        owner=np.zeros(m, dtype=np.int64),
+        first_tok=np.zeros(1, dtype=np.int64),
+        features=None,
+    )
 
 
 @pytest.mark.parametrize("plain", [False, True])
@@ -630,8 +719,12 @@ def test_teacher_forced_argmax_equals_greedy_generation(tok, plain):
     is_stop = stop_rule(model, tok)
     rng = random.Random(0)
     prompts = [
-        tok(" ".join(rng.choice("+-*") if rng.random() < 0.4 else str(rng.randrange(23)) for _ in range(rng.randint(2, 7)))
-            + " =")["input_ids"]
+        tok(
+            " ".join(
+                rng.choice("+-*") if rng.random() < 0.4 else str(rng.randrange(23)) for _ in range(rng.randint(2, 7))
+            )
+            + " ="
+        )["input_ids"]
         for _ in range(24)
     ]
     info = model_info(model)
@@ -646,8 +739,12 @@ def test_teacher_forced_argmax_equals_greedy_generation(tok, plain):
             golds = []
             if stopped and len(ids) > 1:
                 gold = ids[:-1]
-                golds += [gold, gold[:-1] or [ids[0] + 1], gold + [ids[-1] + 1 if ids[-1] + 1 != nl else 5],
-                          gold[:-1] + [(gold[-1] + 7) % 100 + 4]]
+                golds += [
+                    gold,
+                    gold[:-1] or [ids[0] + 1],
+                    gold + [ids[-1] + 1 if ids[-1] + 1 != nl else 5],
+                    gold[:-1] + [(gold[-1] + 7) % 100 + 4],
+                ]
             else:
                 golds += [ids[:3], ids[:1]]
             for gold in golds:
@@ -657,10 +754,15 @@ def test_teacher_forced_argmax_equals_greedy_generation(tok, plain):
                 m = len(gold)
                 expected.append(ids[:m] == gold and len(ids) > m and is_stop(ids[m]))
                 gen_of.append(g)
-        got = argmax_pass(model, info, examples, pad_id(tok), EvalOptions(batch_size=4, progress=False), is_stop,
-                          max_new, "tf", **kw)
+        got = argmax_pass(
+            model, info, examples, pad_id(tok), EvalOptions(batch_size=4, progress=False), is_stop, max_new, "tf", **kw
+        )
         assert [r["row_correct"] for r in got] == expected, kw
-        assert sum(expected) >= 6 and len(expected) - sum(expected) >= 20, ("need rows where it holds and not", kw, sum(expected))
+        assert sum(expected) >= 6 and len(expected) - sum(expected) >= 20, (
+            "need rows where it holds and not",
+            kw,
+            sum(expected),
+        )
         for r, ok, g in zip(got, expected, gen_of):
             if ok:
                 assert r["step_depths"].tolist() == g["depths"], kw
@@ -668,8 +770,16 @@ def test_teacher_forced_argmax_equals_greedy_generation(tok, plain):
             assert all(set(r["step_depths"].tolist()) == {2} for r in got)
     # a budget too small for answer + stop: never correct (greedy generation would be cut off)
     right = [e for e, ok in zip(examples, expected) if ok]
-    short = argmax_pass(model, info, right, pad_id(tok), EvalOptions(progress=False), is_stop,
-                        min(len(e.answer_ids) for e in right), "tf")
+    short = argmax_pass(
+        model,
+        info,
+        right,
+        pad_id(tok),
+        EvalOptions(progress=False),
+        is_stop,
+        min(len(e.answer_ids) for e in right),
+        "tf",
+    )
     assert not all(r["row_correct"] for r in short)
 
 
@@ -696,8 +806,9 @@ def test_evaluate_task_teacher_forced_accuracy(looped, tok):
         ok = [r["row_correct"] for r, e in zip(ref, examples) if e.level == lvl]
         assert res["levels"][lvl]["accuracy"] == pytest.approx(np.mean(ok))
     for d in (1, 2, 3):
-        forced = argmax_pass(looped, model_info(looped), examples, pad_id(tok), opts, stop_rule(looped, tok), max_new,
-                             "tf", depth=d)
+        forced = argmax_pass(
+            looped, model_info(looped), examples, pad_id(tok), opts, stop_rule(looped, tok), max_new, "tf", depth=d
+        )
         assert res["forced_depth_accuracy"][d] == pytest.approx(np.mean([r["row_correct"] for r in forced]))
     assert "generation_accuracy" in res["exit_policies"]["kl"]
 
@@ -738,9 +849,14 @@ def test_generated_examples_keep_the_valid_prefix(tok):
     for r in rows:
         edges, query = brevo.parse_prompt(r["prompt"])
         order = r["answer"].split()
-        alt = next((order[:i] + [order[i + 1], order[i]] + order[i + 2 :] for i in range(len(order) - 1)
-                    if brevo.is_valid_answer(edges, query, order[:i] + [order[i + 1], order[i]] + order[i + 2 :])),
-                   order)
+        alt = next(
+            (
+                order[:i] + [order[i + 1], order[i]] + order[i + 2 :]
+                for i in range(len(order) - 1)
+                if brevo.is_valid_answer(edges, query, order[:i] + [order[i + 1], order[i]] + order[i + 2 :])
+            ),
+            order,
+        )
         orders.append((edges, query, alt))
         gens.append(_gen(tok, " " + " ".join(alt)))
     gens.append(_gen(tok, " " + query))  # the query is not its own dependency

@@ -149,7 +149,9 @@ def test_mcnemar_power_matches_enumeration():
 def test_rows_needed_gives_about_the_target_power():
     n = S.rows_needed(0.10)  # default: independent errors at 50% accuracy
     psi = 0.45 * 0.45 + 0.55 * 0.55
-    assert n == math.ceil(((1.959963984540054 * math.sqrt(psi) + 0.8416212335729143 * math.sqrt(psi - 0.01)) / 0.1) ** 2)
+    assert n == math.ceil(
+        ((1.959963984540054 * math.sqrt(psi) + 0.8416212335729143 * math.sqrt(psi - 0.01)) / 0.1) ** 2
+    )
     assert 380 <= n <= 400
     assert 0.75 <= S.mcnemar_power(n, 0.10, psi) <= 0.85  # the exact test is slightly conservative
     assert S.mcnemar_power(n // 2, 0.10, psi) < 0.55
@@ -172,8 +174,12 @@ def test_depth_vs_token_difficulty_hand_built():
     # median of the losses = (0.3 + 1.5) / 2 = 0.9: easy = {0.1, 0.3, 0.05} (depths 1, 1, 2),
     # hard = {2.0, 1.5, 3.0} (depths 3, 2, 3)
     assert out["median_loss"] == pytest.approx(0.9)
-    assert out["easy"] == {"n": 3, "mean_depth": pytest.approx(4 / 3), "depth_counts": [2, 1, 0],
-                           "depth_share": pytest.approx([2 / 3, 1 / 3, 0.0])}
+    assert out["easy"] == {
+        "n": 3,
+        "mean_depth": pytest.approx(4 / 3),
+        "depth_counts": [2, 1, 0],
+        "depth_share": pytest.approx([2 / 3, 1 / 3, 0.0]),
+    }
     assert out["hard"]["depth_counts"] == [0, 1, 2] and out["hard"]["mean_depth"] == pytest.approx(8 / 3)
     # Spearman by hand: loss ranks 2,5,3,4,1,6; depth ranks (ties averaged) 1.5,5.5,1.5,3.5,3.5,5.5
     rx = np.array([2, 5, 3, 4, 1, 6], dtype=float)

@@ -84,7 +84,8 @@ def write_artifacts(results: Mapping[str, Any], out_dir: str | os.PathLike) -> d
         td = {mn: t["token_difficulty"] for mn, t in per.items() if t.get("token_difficulty")}
         if td:
             p = plot_depth_by_token_difficulty(
-                td, out / f"{task}_depth_by_token_difficulty.png",
+                td,
+                out / f"{task}_depth_by_token_difficulty.png",
                 title=f"{task}: exit depth of easy vs hard answer tokens\n(split at the median loss of the reference)",
             )
             plots[f"{task}: depth of easy vs hard tokens"] = p

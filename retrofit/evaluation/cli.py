@@ -1,4 +1,4 @@
-"""``retrofit eval``: flags, model loading and the entry point (the work is :func:`~retrofit.evaluation.runner.evaluate`).
+"""``retrofit eval``: flags, model loading and the entry point (the work: :func:`.runner.evaluate`).
 
 Example::
 
@@ -70,19 +70,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Tasks: mano, brevo, lano, clrs_sorting, clrs_string_matching, clrs_max_subarray, clrs_bfs, gsm,\n"
         "rg_chain_sum, rg_maze, rg_sudoku, rg_path_star (data_prep.tasks.TASKS)."
     )
-    parser.add_argument("--model", required=True, help="checkpoint: a folder (looped or base), a .gguf, 'smollm2', 'tiny-llama', 'tiny-qwen3' or a hub id")
-    parser.add_argument("--task", "--tasks", dest="tasks", action="append", default=None,
-                        help="task key(s), repeatable or comma-separated (default: mano)")
-    parser.add_argument("--levels", action="append", default=None,
-                        help="difficulty levels, e.g. '3,4,8-12' for every task or 'mano=3,4' per task (repeatable); default: the task's train + held-out levels")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint: a folder (looped or base), a .gguf, 'smollm2', 'tiny-llama', 'tiny-qwen3' or a hub id",
+    )
+    parser.add_argument(
+        "--task",
+        "--tasks",
+        dest="tasks",
+        action="append",
+        default=None,
+        help="task key(s), repeatable or comma-separated (default: mano)",
+    )
+    parser.add_argument(
+        "--levels",
+        action="append",
+        default=None,
+        help="difficulty levels, e.g. '3,4,8-12' for every task or 'mano=3,4' per task (repeatable); "
+        "default: the task's train + held-out levels",
+    )
     parser.add_argument("--n", type=int, default=DEFAULT_N, help=f"examples per level (default {DEFAULT_N})")
     parser.add_argument("--seed", type=int, default=0, help="data seed (eval rows use a stream derived from it)")
-    parser.add_argument("--limit", type=int, default=None, help="at most this many examples per task, spread over the levels (quick look)")
-    parser.add_argument("--out", default="retrofit_eval", help="output folder (default ./retrofit_eval)")
-    parser.add_argument("--train-levels", action="append", default=None,
-                        help="levels to mark as training levels on plots, same syntax as --levels (default: the task's default_train_levels)")
     parser.add_argument(
-        "--compare", nargs="+", default=None, metavar="MODEL[=NAME]",
+        "--limit",
+        type=int,
+        default=None,
+        help="at most this many examples per task, spread over the levels (quick look)",
+    )
+    parser.add_argument("--out", default="retrofit_eval", help="output folder (default ./retrofit_eval)")
+    parser.add_argument(
+        "--train-levels",
+        action="append",
+        default=None,
+        help="levels to mark as training levels, same syntax as --levels (default: the task's default_train_levels)",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        default=None,
+        metavar="MODEL[=NAME]",
         help="models evaluated the same way on the same rows, side by side (controls, the untrained base): each a "
         "checkpoint spec as for --model, optionally '=NAME' for its name in the report (default: its folder/file "
         "name). --model is compared with each by paired tests.",
@@ -95,18 +122,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-sep", default=" ", help=_help("answer_sep"))
     parser.add_argument("--alignment", choices=A.ALIGNMENTS, default=_default("alignment"), help=_help("alignment"))
     parser.add_argument("--accuracy", choices=ACCURACY_MODES, default=_default("accuracy"), help=_help("accuracy"))
-    parser.add_argument("--structure-strings", choices=STRUCTURE_STRINGS, default=_default("structure_strings"),
-                        help=_help("structure_strings"))
-    parser.add_argument("--no-forced-generation", "--no-forced-depths", dest="no_forced_depths", action="store_true",
-                        help="skip the forced-depth sweep 1..D (saves D passes)")
-    parser.add_argument("--no-exit-policies", action="store_true", help="skip " + _help("exit_policies")[0].lower()
-                        + _help("exit_policies")[1:])
-    parser.add_argument("--no-policy-generation", action="store_true", help="skip generating under the training-free exits")
+    parser.add_argument(
+        "--structure-strings",
+        choices=STRUCTURE_STRINGS,
+        default=_default("structure_strings"),
+        help=_help("structure_strings"),
+    )
+    parser.add_argument(
+        "--no-forced-generation",
+        "--no-forced-depths",
+        dest="no_forced_depths",
+        action="store_true",
+        help="skip the forced-depth sweep 1..D (saves D passes)",
+    )
+    parser.add_argument(
+        "--no-exit-policies",
+        action="store_true",
+        help="skip " + _help("exit_policies")[0].lower() + _help("exit_policies")[1:],
+    )
+    parser.add_argument(
+        "--no-policy-generation", action="store_true", help="skip generating under the training-free exits"
+    )
     parser.add_argument("--generation-backend", choices=GENERATION_BACKENDS, default="auto", help=_help("backend"))
     parser.add_argument("--difficulty-reference", default=None, metavar="NAME", help=_help("difficulty_reference"))
     parser.add_argument("--html-samples", type=int, default=2, help=_help("html_samples"))
     parser.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', ...")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="load dtype (default: as stored)")
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="load dtype (default: as stored)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -164,18 +207,38 @@ def run(args: argparse.Namespace) -> int:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         name = args.name or _spec_name(args.model)
         model, tok = _load(args.model, device, args.dtype)
-        compare = [(nm, *_load(spec, device, args.dtype)) for spec, nm in _compare_specs(args.compare, args.compare_name)]
+        compare = [
+            (nm, *_load(spec, device, args.dtype)) for spec, nm in _compare_specs(args.compare, args.compare_name)
+        ]
         options = EvalOptions(
-            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, chat=args.chat,
-            answer_sep=args.answer_sep, alignment=args.alignment, forced_depths=not args.no_forced_depths,
-            exit_policies=not args.no_exit_policies, policy_generation=not args.no_policy_generation,
-            html_samples=args.html_samples, progress=not args.quiet, backend=args.generation_backend,
-            difficulty_reference=args.difficulty_reference, accuracy=args.accuracy,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            chat=args.chat,
+            answer_sep=args.answer_sep,
+            alignment=args.alignment,
+            forced_depths=not args.no_forced_depths,
+            exit_policies=not args.no_exit_policies,
+            policy_generation=not args.no_policy_generation,
+            html_samples=args.html_samples,
+            progress=not args.quiet,
+            backend=args.generation_backend,
+            difficulty_reference=args.difficulty_reference,
+            accuracy=args.accuracy,
             structure_strings=args.structure_strings,
         )
         results = evaluate(
-            model, tok, tasks, levels=levels, n=args.n, seed=args.seed, out_dir=args.out, name=name,
-            compare=compare or None, limit=args.limit, train_levels=train_levels, options=options,
+            model,
+            tok,
+            tasks,
+            levels=levels,
+            n=args.n,
+            seed=args.seed,
+            out_dir=args.out,
+            name=name,
+            compare=compare or None,
+            limit=args.limit,
+            train_levels=train_levels,
+            options=options,
             config={"model": args.model, "compare": args.compare, "device": device},
         )
     except (ValueError, OSError) as e:

@@ -117,7 +117,9 @@ def greedy_generate(
         ids, mask = pad_left([prompts[i] for i in chunk], pad, dev)
         P = ids.shape[1]
         if backend == "generate":
-            gen, gen_depths, ids, mask = _decode_with_generate(model, info, ids, mask, max_new_tokens, pad, stops, is_stop, kw)
+            gen, gen_depths, ids, mask = _decode_with_generate(
+                model, info, ids, mask, max_new_tokens, pad, stops, is_stop, kw
+            )
         else:
             gen, ids, mask = _decode_loop(model, info, ids, mask, max_new_tokens, pad, is_stop, kw)
             gen_depths = None

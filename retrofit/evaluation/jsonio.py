@@ -37,9 +37,7 @@ def _json_key(k: Any, loc: str) -> str:
         return str(k)
     if k is None:
         return "null"
-    raise TypeError(
-        f"write_json: dict key {k!r} of type {type(k).__name__} at {loc} is not a JSON key"
-    )
+    raise TypeError(f"write_json: dict key {k!r} of type {type(k).__name__} at {loc} is not a JSON key")
 
 
 def to_jsonable(obj: Any, _loc: str = "$") -> Any:
@@ -81,9 +79,7 @@ def to_jsonable(obj: Any, _loc: str = "$") -> Any:
         return to_jsonable(obj.value, _loc)
     if isinstance(obj, PurePath):
         return str(obj)
-    raise TypeError(
-        f"write_json: object of type {type(obj).__name__} at {_loc} is not JSON serializable"
-    )
+    raise TypeError(f"write_json: object of type {type(obj).__name__} at {_loc} is not JSON serializable")
 
 
 def atomic_write_text(text: str, path: str | os.PathLike) -> str:

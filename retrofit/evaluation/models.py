@@ -62,7 +62,9 @@ def model_info(model) -> ModelInfo:
     from retrofit.modeling import LoopedForCausalLM
 
     cfg = model.config
-    n_layers = int(cfg.get_text_config().num_hidden_layers if hasattr(cfg, "get_text_config") else cfg.num_hidden_layers)
+    n_layers = int(
+        cfg.get_text_config().num_hidden_layers if hasattr(cfg, "get_text_config") else cfg.num_hidden_layers
+    )
     if isinstance(model, LoopedForCausalLM):
         loop = model.loop
         pre, core, coda = loop.layer_ranges(n_layers)
@@ -137,7 +139,5 @@ def flops_per_token(model, info: ModelInfo, depths) -> float:
             return float("nan")
         rep = cost_report(model, d)
         return float(rep["flops"]) / rep["n_tokens"]
-    layers = sum(
-        m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)
-    )
+    layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
     return 2.0 * float(layers + model.get_output_embeddings().weight.numel())

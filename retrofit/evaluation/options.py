@@ -52,9 +52,7 @@ class EvalOptions:
         None,
     )
     batch_size: int = _help("Sequences per forward; lower it if memory is short.", DEFAULT_BATCH_SIZE)
-    chat: bool = _help(
-        "Wrap each prompt in the tokenizer's chat template (default: continue the raw prompt).", False
-    )
+    chat: bool = _help("Wrap each prompt in the tokenizer's chat template (default: continue the raw prompt).", False)
     answer_sep: str = _help("Text between a raw prompt and its answer (ignored with chat).", " ")
     accuracy: str = _help(
         "How accuracy (levels, forced depths, exit policies) is measured. 'generate': greedy generation scored "

@@ -90,9 +90,7 @@ def _finite(v: Any) -> bool:
     return v is not None and isinstance(v, (int, float, np.number)) and math.isfinite(float(v))
 
 
-def _level_series(
-    ax: Any, series_by_model: Mapping[str, Mapping[Hashable, Any]]
-) -> dict[Hashable, float]:
+def _level_series(ax: Any, series_by_model: Mapping[str, Mapping[Hashable, Any]]) -> dict[Hashable, float]:
     """Draw one line per model over difficulty levels; return the level -> x mapping."""
     all_levels = [lvl for series in series_by_model.values() for lvl in series]
     pos, numeric = _level_positions(all_levels)
@@ -151,9 +149,7 @@ def plot_depth_vs_difficulty(
     fig, ax = _new_figure()
     _level_series(ax, levels_by_model)
     if max_depth is not None:
-        ax.axhline(
-            max_depth, color="0.4", linestyle="--", linewidth=1, label=f"max depth D = {max_depth}"
-        )
+        ax.axhline(max_depth, color="0.4", linestyle="--", linewidth=1, label=f"max depth D = {max_depth}")
         ax.set_ylim(0.8, max_depth + 0.3)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("mean exit depth d̄")
@@ -273,21 +269,14 @@ def plot_accuracy_vs_compute(
         points = [tuple(p[:3]) for p in points]
         for c, a, (lo, hi) in intervals:
             if _finite(c) and _finite(a) and _finite(lo) and _finite(hi):
-                ax.errorbar([c], [a], yerr=[[a - float(lo)], [float(hi) - a]], color=color, alpha=0.5,
-                            capsize=3, linewidth=1)
+                ax.errorbar(
+                    [c], [a], yerr=[[a - float(lo)], [float(hi) - a]], color=color, alpha=0.5, capsize=3, linewidth=1
+                )
         forced = sorted(
-            (
-                (float(c), float(a), lab)
-                for c, a, lab in points
-                if _finite(c) and _finite(a) and _is_forced(lab)
-            ),
+            ((float(c), float(a), lab) for c, a, lab in points if _finite(c) and _finite(a) and _is_forced(lab)),
             key=lambda p: p[0],
         )
-        other = [
-            (float(c), float(a), lab)
-            for c, a, lab in points
-            if _finite(c) and _finite(a) and not _is_forced(lab)
-        ]
+        other = [(float(c), float(a), lab) for c, a, lab in points if _finite(c) and _finite(a) and not _is_forced(lab)]
         if forced:
             xs, ys, _ = zip(*forced)
             ax.plot(
@@ -311,9 +300,7 @@ def plot_accuracy_vs_compute(
                 label=f"{name} (adaptive)" if forced else str(name),
             )
         for c, a, lab in forced + other:
-            ax.annotate(
-                str(lab), (c, a), textcoords="offset points", xytext=(4, 5), fontsize=7, color=color
-            )
+            ax.annotate(str(lab), (c, a), textcoords="offset points", xytext=(4, 5), fontsize=7, color=color)
     if logx:
         ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
@@ -338,9 +325,7 @@ def _as_loss_stats(obj: Any, tol: float) -> dict[str, Any]:
     if isinstance(obj, Mapping) and "counts" in obj and "bin_edges" in obj:
         return dict(obj)
     # Δ values: reuse loss_change_stats with loss_first = 0, loss_last = Δ.
-    deltas = np.asarray(
-        obj.detach().cpu().float() if hasattr(obj, "detach") else obj, dtype=np.float64
-    )
+    deltas = np.asarray(obj.detach().cpu().float() if hasattr(obj, "detach") else obj, dtype=np.float64)
     return loss_change_stats(np.zeros_like(deltas), deltas, tol=tol)
 
 
@@ -457,15 +442,21 @@ def plot_depth_by_token_difficulty(
         for off, group, color in ((-0.2, "easy", "tab:green"), (0.2, "hard", "tab:red")):
             g = st[group]
             share = [float(v) if _finite(v) else 0.0 for v in (g.get("depth_share") or [0.0] * D)]
-            ax.bar(x + off, share, width=0.4, color=color, alpha=0.8,
-                   label=f"{group} (n = {g.get('n', 0)}, d̄ = {_fmt_num(g.get('mean_depth'))})")
+            ax.bar(
+                x + off,
+                share,
+                width=0.4,
+                color=color,
+                alpha=0.8,
+                label=f"{group} (n = {g.get('n', 0)}, d̄ = {_fmt_num(g.get('mean_depth'))})",
+            )
         ax.set_xticks(x)
         ax.set_xlabel("exit depth")
         ax.set_ylabel("share of tokens")
         ax.set_ylim(0, 1.05)
         ref = st.get("reference")
-        ax.set_title(f"{name}: ρ = {_fmt_num(st.get('spearman'), 3)}" + (f" (difficulty: {ref} loss)" if ref else ""),
-                     fontsize=9)
+        rho = _fmt_num(st.get("spearman"), 3)
+        ax.set_title(f"{name}: ρ = {rho}" + (f" (difficulty: {ref} loss)" if ref else ""), fontsize=9)
         _finish_legend(ax)
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)

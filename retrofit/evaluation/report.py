@@ -161,11 +161,7 @@ def _get(d: Any, key: str) -> Any:
 
 def _models(results: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     models = _get(results, "models")
-    return (
-        {str(k): v for k, v in models.items() if isinstance(v, Mapping)}
-        if isinstance(models, Mapping)
-        else {}
-    )
+    return {str(k): v for k, v in models.items() if isinstance(v, Mapping)} if isinstance(models, Mapping) else {}
 
 
 def _tasks(models: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -219,9 +215,7 @@ def _levels_table(task: str, models: dict[str, Mapping[str, Any]]) -> list[str]:
 
     has_split = any(_get(_lookup(lv, lvl), "split") for lv in per_model.values() for lvl in levels)
     # (header, model, key, formatter): accuracies of all models side by side, then depth columns.
-    cols: list[tuple[str, str, str, Any]] = [
-        (f"acc ({name})", name, "accuracy", _pct) for name in per_model
-    ]
+    cols: list[tuple[str, str, str, Any]] = [(f"acc ({name})", name, "accuracy", _pct) for name in per_model]
     for name in per_model:
         if has(name, "mean_depth"):
             cols.append((f"d̄ ({name})", name, "mean_depth", _fmt))
@@ -282,9 +276,7 @@ def _policies_table(task: str, models: dict[str, Mapping[str, Any]]) -> list[str
             )
     if not rows:
         return []
-    return ["### Exit policies", ""] + _table(
-        ["model", "policy", "accuracy", "d̄", "d̄/D"], rows, n_text=2
-    )
+    return ["### Exit policies", ""] + _table(["model", "policy", "accuracy", "d̄", "d̄/D"], rows, n_text=2)
 
 
 def _regressions(reg: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
@@ -312,9 +304,7 @@ def _correlation_section(task: str, models: dict[str, Mapping[str, Any]]) -> lis
             coefs = reg.get("coefficients") or {}
             for feat, b in coefs.items():
                 reg_rows.append([label, str(feat), _fmt(b, 3)])
-            fit_rows.append(
-                [label, _fmt(reg.get("r2"), 3), _fmt(reg.get("r2_controls"), 3), _int(reg.get("n"))]
-            )
+            fit_rows.append([label, _fmt(reg.get("r2"), 3), _fmt(reg.get("r2_controls"), 3), _int(reg.get("n"))])
     if reg_rows or fit_rows:
         out += ["**Linear regression of per-token depth on features**", ""]
         out += _table(["model", "feature", "coefficient"], reg_rows, n_text=2) if reg_rows else []
@@ -377,8 +367,18 @@ def _comparisons_section(task: str, results: Mapping[str, Any]) -> list[str]:
                 rows.append(_comparison_rows(f"**{label}**", comp[key]))
         out += [f"**{a} vs {b}** (difference = {a} − {b}, percentage points)", ""]
         out += _table(
-            ["level", "n", f"acc ({a})", f"acc ({b})", "difference", f"only {a} right", f"only {b} right",
-             "McNemar p", "bootstrap 95% CI", "bootstrap p"],
+            [
+                "level",
+                "n",
+                f"acc ({a})",
+                f"acc ({b})",
+                "difference",
+                f"only {a} right",
+                f"only {b} right",
+                "McNemar p",
+                "bootstrap 95% CI",
+                "bootstrap p",
+            ],
             rows,
         )
     return out
@@ -397,8 +397,16 @@ def _token_difficulty_section(task: str, models: dict[str, Mapping[str, Any]]) -
         easy, hard = s.get("easy") or {}, s.get("hard") or {}
         share = " / ".join(_pct(x, 0) for x in (hard.get("depth_share") or []))
         rows.append(
-            [name, str(s.get("reference", "")), _int(s.get("n_tokens")), _fmt(s.get("spearman"), 3),
-             _fmt(s.get("median_loss"), 3), _fmt(easy.get("mean_depth")), _fmt(hard.get("mean_depth")), share]
+            [
+                name,
+                str(s.get("reference", "")),
+                _int(s.get("n_tokens")),
+                _fmt(s.get("spearman"), 3),
+                _fmt(s.get("median_loss"), 3),
+                _fmt(easy.get("mean_depth")),
+                _fmt(hard.get("mean_depth")),
+                share,
+            ]
         )
     if not rows:
         return []
@@ -447,11 +455,7 @@ def write_markdown_report(
     if isinstance(config, Mapping) and config:
         lines += ["## Configuration", ""]
         for k, v in config.items():
-            val = (
-                v
-                if isinstance(v, (str, int, float, bool)) or v is None
-                else json.dumps(to_jsonable(v))
-            )
+            val = v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(to_jsonable(v))
             lines.append(f"- **{k}**: {val}")
         lines.append("")
     models = _models(results)
@@ -490,8 +494,8 @@ def write_markdown_report(
 def summary_table(results: Mapping[str, Any], title: str = "Evaluation summary") -> Any:
     """A ``rich.table.Table`` with one row per (model, task, level).
 
-    Columns: model, task, level, n, accuracy, d̄, d̄/D. Print it with
-    ``rich.console.Console().print(summary_table(results))``.
+    Columns: model, task, level, n, accuracy (with its interval when present), d̄, d̄/D,
+    MFLOPs per answer token. Print it with ``rich.console.Console().print(summary_table(results))``.
     """
     from rich.table import Table
 
@@ -504,6 +508,7 @@ def summary_table(results: Mapping[str, Any], title: str = "Evaluation summary")
         ("accuracy", {"justify": "right"}),
         ("d̄", {"justify": "right"}),
         ("d̄/D", {"justify": "right"}),
+        ("MFLOPs/token", {"justify": "right"}),
     ):
         table.add_column(col, **kw)
     models = _models(results)
@@ -517,8 +522,10 @@ def summary_table(results: Mapping[str, Any], title: str = "Evaluation summary")
                     task,
                     str(lvl),
                     _int(_get(e, "n")),
-                    _pct(_get(e, "accuracy")),
+                    _pct(_get(e, "accuracy"))
+                    + (_interval(_get(e, "accuracy_ci"), None) if _num(_get(e, "accuracy")) is not None else ""),
                     _fmt(_get(e, "mean_depth")),
                     _fmt(_get(e, "saving")),
+                    _mflops(_get(e, "flops_per_token")),
                 )
     return table

@@ -7,14 +7,18 @@ reasoning-gym tasks) at chosen difficulty levels and writes ``results.json`` (th
 Example::
 
     from retrofit.evaluation import evaluate
-    results = evaluate(looped, tok, ["mano"], levels=[3, 5, 8], n=50, compare=(base, tok),
-                       name="looped", compare_name="base", out_dir="eval/")
+    results = evaluate(looped, tok, ["mano"], levels=[3, 5, 8], n=50, name="looped",
+                       compare=[("sft", sft, tok), ("base", base, tok)], out_dir="eval/",
+                       accuracy="teacher_forced_argmax")
 
-The package, by idea: :mod:`.options` (``EvalOptions``), :mod:`.rows` (rows and tokenization),
-:mod:`.decoding` (greedy generation), :mod:`.teacher_forced` (teacher-forced passes),
-:mod:`.policies` (exit policies at equal compute), :mod:`.task_eval` (one model, one task),
-:mod:`.artifacts` (files), :mod:`.cli` (``retrofit eval``); pure functions in :mod:`.analysis`
-and :mod:`.metrics`.
+The package, by idea: :mod:`.options` (``EvalOptions``), :mod:`.models` (model facts, batching,
+FLOPs per token), :mod:`.rows` (rows and tokenization), :mod:`.decoding` (greedy generation),
+:mod:`.teacher_forced` (teacher-forced passes, greedy exact match from one forward),
+:mod:`.policies` (exit policies at equal compute), :mod:`.structure` (LANO/BREVO on the model's
+own strings), :mod:`.task_eval` (one model, one task), this module (several models, paired
+comparisons), :mod:`.artifacts` (files), :mod:`.cli` (``retrofit eval``); pure functions in
+:mod:`.analysis`, :mod:`.metrics`, :mod:`.stats` (intervals, paired tests, rows needed) and
+:mod:`.token_difficulty`; output in :mod:`.report`, :mod:`.jsonio`, :mod:`.plots`, :mod:`.html`.
 """
 
 from __future__ import annotations

@@ -234,7 +234,13 @@ def mcnemar_power(n: int, delta: float, discordant: float, alpha: float = 0.05) 
     def log_binom(k: int, m: int, p: float) -> float:
         if p in (0.0, 1.0):
             return 0.0 if (k == 0 and p == 0.0) or (k == m and p == 1.0) else -math.inf
-        return math.lgamma(m + 1) - math.lgamma(k + 1) - math.lgamma(m - k + 1) + k * math.log(p) + (m - k) * math.log1p(-p)
+        return (
+            math.lgamma(m + 1)
+            - math.lgamma(k + 1)
+            - math.lgamma(m - k + 1)
+            + k * math.log(p)
+            + (m - k) * math.log1p(-p)
+        )
 
     total = 0.0
     for m in range(n + 1):

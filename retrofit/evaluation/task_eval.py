@@ -105,14 +105,36 @@ def evaluate_task(
         ``samples`` (for ``samples.html``) and ``notes``.
     """
     return evaluate_task_arrays(
-        model, tokenizer, task, levels, n, seed, rows=rows, limit=limit, train_levels=train_levels,
-        exit_target_depth=exit_target_depth, name=name, options=options, **option_overrides,
+        model,
+        tokenizer,
+        task,
+        levels,
+        n,
+        seed,
+        rows=rows,
+        limit=limit,
+        train_levels=train_levels,
+        exit_target_depth=exit_target_depth,
+        name=name,
+        options=options,
+        **option_overrides,
     )[0]
 
 
 def evaluate_task_arrays(
-    model, tokenizer, task, levels=None, n: int = DEFAULT_N, seed: int = 0, *, rows=None, limit=None,
-    train_levels=None, exit_target_depth=None, name: str = "model", options: EvalOptions | None = None,
+    model,
+    tokenizer,
+    task,
+    levels=None,
+    n: int = DEFAULT_N,
+    seed: int = 0,
+    *,
+    rows=None,
+    limit=None,
+    train_levels=None,
+    exit_target_depth=None,
+    name: str = "model",
+    options: EvalOptions | None = None,
     **option_overrides,
 ) -> tuple[dict[str, Any], TaskArrays]:
     """:func:`evaluate_task` that also returns the per-example :class:`TaskArrays`."""
@@ -160,8 +182,16 @@ def _evaluate_task(
     def generate(desc, **kw):
         # producing-step depths ("predict"): what decoding computes, for compute and samples.html
         return greedy_generate(
-            model, tokenizer, prompts, max_new, batch_size=opts.batch_size, alignment="predict",
-            backend=opts.backend, progress=opts.progress, desc=f"{tag} {desc}", **kw,
+            model,
+            tokenizer,
+            prompts,
+            max_new,
+            batch_size=opts.batch_size,
+            alignment="predict",
+            backend=opts.backend,
+            progress=opts.progress,
+            desc=f"{tag} {desc}",
+            **kw,
         )
 
     def score(gens) -> np.ndarray:
@@ -172,7 +202,9 @@ def _evaluate_task(
     def outcomes(desc, **kw) -> tuple[np.ndarray, list[np.ndarray], list[dict] | None]:
         """Per row: correct, and the depths of the decoding steps; plus the generations ('generate' mode)."""
         if tf_mode:
-            res = tf if not kw else argmax_pass(model, info, examples, pad, opts, is_stop, max_new, f"{tag} {desc}", **kw)
+            res = (
+                tf if not kw else argmax_pass(model, info, examples, pad, opts, is_stop, max_new, f"{tag} {desc}", **kw)
+            )
             return np.array([r["row_correct"] for r in res], dtype=bool), [r["step_depths"] for r in res], None
         gens = generate(desc, **kw)
         return score(gens), [np.asarray(g["depths"], dtype=np.int64) for g in gens], gens
@@ -204,8 +236,15 @@ def _evaluate_task(
 
     # --- accuracy with the model's own exits, and the teacher-forced pass -------------------------
     tf = teacher_forced(
-        model, info, examples, pad, opts, f"{tag} teacher-forced", per_depth=opts.exit_policies,
-        is_stop=is_stop if tf_mode else None, max_new_tokens=max_new,
+        model,
+        info,
+        examples,
+        pad,
+        opts,
+        f"{tag} teacher-forced",
+        per_depth=opts.exit_policies,
+        is_stop=is_stop if tf_mode else None,
+        max_new_tokens=max_new,
     )
     correct, steps, gens = outcomes("generate")
 
@@ -231,7 +270,9 @@ def _evaluate_task(
             per_ex = [float(t["tok_depth"][e.content].mean()) for t, e in zip(tfs, exs)]
             entry.update(
                 mean_depth=c["mean_depth"],
-                mean_depth_se=float(np.std(per_ex, ddof=1) / math.sqrt(len(per_ex))) if len(per_ex) > 1 else float("nan"),
+                mean_depth_se=float(np.std(per_ex, ddof=1) / math.sqrt(len(per_ex)))
+                if len(per_ex) > 1
+                else float("nan"),
                 cost_exec=c["cost_exec"],
                 saving=c["saving"],
                 depth_histogram=c["depth_histogram"],
@@ -325,8 +366,17 @@ def _evaluate_task(
             return float(c_g.mean()), mean(gen_depths(s_g))
 
         result["exit_policies"] = exit_policies(
-            model, info, examples, tf, float(correct.mean()), overall["gen_mean_depth"], pad, opts, exit_target_depth,
-            generate_accuracy if opts.policy_generation else None, notes,
+            model,
+            info,
+            examples,
+            tf,
+            float(correct.mean()),
+            overall["gen_mean_depth"],
+            pad,
+            opts,
+            exit_target_depth,
+            generate_accuracy if opts.policy_generation else None,
+            notes,
         )
     elif info.looped and D == 1:
         notes.append("max_depth = 1: no forced-depth sweep, loss change or exit policies")

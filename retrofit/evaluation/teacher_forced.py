@@ -98,7 +98,9 @@ def teacher_forced(
     dev = device(model)
     D = info.max_depth
     res: list[dict[str, np.ndarray] | None] = [None] * len(examples)
-    for chunk in progress_bar(list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"):
+    for chunk in progress_bar(
+        list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
+    ):
         exs = [examples[i] for i in chunk]
         ids, mask, starts = tf_batch(exs, pad, dev)
         out = forward(model, info, ids, mask)
@@ -172,7 +174,9 @@ def policy_pass(model, info: ModelInfo, examples, pad, opts: EvalOptions, policy
     """Teacher-forced forward with an engine exit policy: per example ``(depth [m], correct [m])``."""
     dev = device(model)
     out_list: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(examples)
-    for chunk in progress_bar(list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"):
+    for chunk in progress_bar(
+        list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
+    ):
         exs = [examples[i] for i in chunk]
         ids, mask, starts = tf_batch(exs, pad, dev)
         out = forward(model, info, ids, mask, exit_policy=policy, exit_threshold=threshold)
@@ -212,7 +216,9 @@ def argmax_pass(
     """
     dev = device(model)
     res: list[dict[str, Any] | None] = [None] * len(examples)
-    for chunk in progress_bar(list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"):
+    for chunk in progress_bar(
+        list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
+    ):
         exs = [examples[i] for i in chunk]
         ids, mask, starts = tf_batch(exs, pad, dev)
         out = forward(model, info, ids, mask, **forward_kw)
