@@ -103,8 +103,10 @@ def teacher_forced(
     ):
         exs = [examples[i] for i in chunk]
         ids, mask, starts = tf_batch(exs, pad, dev)
-        out = forward(model, info, ids, mask)
-        logits = out.logits.float()
+        keep = _logits_kept(exs)
+        out = forward(model, info, ids, mask, logits_to_keep=keep)
+        logits = out.logits.float()  # [B, keep, V]: positions T - keep .. T - 1
+        off = ids.shape[1] - keep
         depths = out.depths if info.looped else None
         probs = out.depth_probs if info.looped else None
         for r, (i, e) in enumerate(zip(chunk, exs)):
@@ -112,7 +114,7 @@ def teacher_forced(
             s = starts[r]
             pred = torch.arange(m, device=dev) + s - 1  # producing positions
             gold = torch.as_tensor(e.answer_ids, device=dev)
-            lp = logits[r, pred].log_softmax(-1)
+            lp = logits[r, pred - off].log_softmax(-1)
             d: dict[str, np.ndarray] = {
                 "correct": (lp.argmax(-1) == gold).cpu().numpy(),
                 "nll": (-lp.gather(-1, gold[:, None])[:, 0]).cpu().numpy(),
@@ -126,7 +128,7 @@ def teacher_forced(
                 d["pred_depth"] = depths[r, pred].cpu().numpy()
             if is_stop is not None:
                 top = logits[r].argmax(-1)
-                d.update(_argmax_row(top, depths[r] if info.looped else None, e, s, is_stop, max_new_tokens))
+                d.update(_argmax_row(top, off, depths[r] if info.looped else None, e, s, is_stop, max_new_tokens))
             res[i] = d
         if per_depth and info.looped and D > 1:
             T = ids.shape[1]
@@ -179,13 +181,15 @@ def policy_pass(model, info: ModelInfo, examples, pad, opts: EvalOptions, policy
     ):
         exs = [examples[i] for i in chunk]
         ids, mask, starts = tf_batch(exs, pad, dev)
-        out = forward(model, info, ids, mask, exit_policy=policy, exit_threshold=threshold)
+        keep = _logits_kept(exs)
+        out = forward(model, info, ids, mask, exit_policy=policy, exit_threshold=threshold, logits_to_keep=keep)
+        off = ids.shape[1] - keep
         for r, (i, e) in enumerate(zip(chunk, exs)):
             pred = torch.arange(len(e.answer_ids), device=dev) + starts[r] - 1
             gold = torch.as_tensor(e.answer_ids, device=dev)
             out_list[i] = (
                 out.depths[r, pred].cpu().numpy(),
-                (out.logits[r, pred].argmax(-1) == gold).cpu().numpy(),
+                (out.logits[r, pred - off].argmax(-1) == gold).cpu().numpy(),
             )
     return out_list
 
@@ -221,21 +225,31 @@ def argmax_pass(
     ):
         exs = [examples[i] for i in chunk]
         ids, mask, starts = tf_batch(exs, pad, dev)
-        out = forward(model, info, ids, mask, **forward_kw)
-        top = out.logits.argmax(-1)  # [B, T]
+        keep = _logits_kept(exs)
+        out = forward(model, info, ids, mask, logits_to_keep=keep, **forward_kw)
+        top = out.logits.argmax(-1)  # [B, keep]: positions T - keep .. T - 1
+        off = ids.shape[1] - keep
         for r, (i, e) in enumerate(zip(chunk, exs)):
-            res[i] = _argmax_row(top[r], out.depths[r] if info.looped else None, e, starts[r], is_stop, max_new_tokens)
+            depths = out.depths[r] if info.looped else None
+            res[i] = _argmax_row(top[r], off, depths, e, starts[r], is_stop, max_new_tokens)
     return res  # type: ignore[return-value]
 
 
-def _argmax_row(top, depths, e: Example, start: int, is_stop, max_new_tokens: int) -> dict[str, Any]:
-    """Greedy exact match of one row from its argmax tokens ``top`` ``[T]`` (and depths ``[T]`` or None)."""
+def _logits_kept(exs: Sequence[Example]) -> int:
+    """Positions whose logits a teacher-forced pass reads: answers end the (left-padded) rows, so the
+    last ``max m + 1`` positions hold every producing position and the one after the answer."""
+    return max(len(e.answer_ids) for e in exs) + 1
+
+
+def _argmax_row(top, off: int, depths, e: Example, start: int, is_stop, max_new_tokens: int) -> dict[str, Any]:
+    """Greedy exact match of one row from its argmax tokens ``top`` (position ``t`` at ``top[t - off]``)
+    and its depths ``[T]`` (None for a plain model)."""
     m = len(e.answer_ids)
     steps = torch.arange(m + 1, device=top.device) + start - 1  # producing positions, then the last answer position
-    token_correct = (top[steps[:m]] == torch.as_tensor(e.answer_ids, device=top.device)).cpu().numpy()
+    token_correct = (top[steps[:m] - off] == torch.as_tensor(e.answer_ids, device=top.device)).cpu().numpy()
     row = bool(
         token_correct.all()
-        and is_stop(int(top[steps[m]]))
+        and is_stop(int(top[steps[m] - off]))
         and not any(is_stop(int(t)) for t in e.answer_ids)
         and m + 1 <= max_new_tokens
     )
