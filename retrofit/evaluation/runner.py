@@ -189,12 +189,13 @@ def evaluate(
         t_rows = rows.get(t.name) if rows is not None else None
         task_data[t.name] = task_rows(t, levels_for(t, levels), n, seed, limit) if t_rows is None else t_rows
     # every report states which levels trained and which were held out
+    trained, held_out = {}, {}
     for t in task_objs:
         evaluated = sorted({int(r["difficulty"]) for r in task_data[t.name]})
         train = levels_for(t, train_levels)
-        train = list(t.default_train_levels if train is None else train)
-        results["config"].setdefault("train_levels", {})[t.name] = train
-        results["config"].setdefault("held_out_levels", {})[t.name] = [lv for lv in evaluated if lv not in train]
+        trained[t.name] = list(t.default_train_levels if train is None else train)
+        held_out[t.name] = [lv for lv in evaluated if lv not in trained[t.name]]
+    results["config"].update(train_levels=trained, held_out_levels=held_out)
     arrays: dict[str, dict[str, TaskArrays]] = {t.name: {} for t in task_objs}
     for mname, m, tok in models:
         entry: dict[str, Any] = {"tasks": {}}
