@@ -98,7 +98,7 @@ class EvalOptions:
 
     difficulty_reference: str | None = _help(
         "Name of a compared model whose teacher-forced per-token loss measures each answer token's difficulty for "
-        "the per-token depth analysis of every looped model; None = the first compared model that is not looped.",
+        "the per-token depth analysis of every looped model; None = the first model of the run that is not looped.",
         None,
     )
     bootstrap_samples: int = _help("Resamples of the paired bootstrap of an accuracy difference.", 10_000)

@@ -237,7 +237,7 @@ def _difficulty_reference(models, wanted: str | None) -> str | None:
         if wanted not in names:
             raise ValueError(f"difficulty_reference {wanted!r} is not a model of this run; models: {', '.join(names)}")
         return wanted
-    return next((n for n, m, _ in models[1:] if not info_of(m).looped), None)
+    return next((n for n, m, _ in models if not info_of(m).looped), None)
 
 
 def _comparisons(primary: str, arrays: dict[str, TaskArrays], models: dict, task: str, opts: EvalOptions) -> dict:
