@@ -29,7 +29,6 @@ Outputs under ``--output_dir``: ``checkpoint-N/`` (atomic, resumable), ``final/`
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -42,7 +41,7 @@ from transformers import set_seed
 from trl import TrlParser
 
 from retrofit import LoopConfig
-from retrofit.checkpointing import last_checkpoint
+from retrofit.checkpointing import last_checkpoint, write_json_atomic
 from retrofit.training import (
     NonFiniteLossError,
     RetrofitSFTConfig,
@@ -185,11 +184,13 @@ def main(argv=None) -> int:
                 merged.save_pretrained(tmp)
                 tokenizer.save_pretrained(tmp)
     if trainer.accelerator.is_main_process:
-        (out / "data_report.json").write_text(json.dumps(reports, indent=2))
+        write_json_atomic(out / "data_report.json", reports)
         logger.info("saved %s; rows: %s", out / "final", reports)
     return 0
 
 
 if __name__ == "__main__":
+    from retrofit.errors import run_cli  # bad input: one `error:` line, exit code 2
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -62,7 +62,7 @@ from trl import TrlParser
 
 from retrofit import LoopConfig
 from retrofit.convert import base_model_of
-from retrofit.checkpointing import last_checkpoint
+from retrofit.checkpointing import last_checkpoint, write_json_atomic
 from retrofit.training import (
     NonFiniteLossError,
     RetrofitSFTConfig,
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
                 merged.save_pretrained(tmp)
                 tokenizer.save_pretrained(tmp)
     if trainer.accelerator.is_main_process:
-        (out / "data_report.json").write_text(json.dumps(reports, indent=2))
+        write_json_atomic(out / "data_report.json", reports)
         logger.info("saved %s; rows: %s", out / "final", reports)
 
     # 5. The main job's report: base vs looped per difficulty level, export, plots, summary.
@@ -319,7 +319,7 @@ def main_job_report(model, tokenizer, base, out: Path, dargs, rargs, identity_er
         config={"identity_at_init_max_abs_diff": identity_err, "loop": model.loop.to_dict()},
     )
     eval_s = time.time() - t_eval
-    (out / "final" / "retrofit_eval.json").write_text(json.dumps(results, default=str))  # feeds the model card
+    write_json(results, out / "final" / "retrofit_eval.json")  # feeds the model card; atomic, strict JSON
     export_model(model, out / "export", tokenizer=tokenizer, overwrite=True)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     task = results["models"]["looped"]["tasks"][dargs.task]
@@ -347,5 +347,7 @@ def main_job_report(model, tokenizer, base, out: Path, dargs, rargs, identity_er
 
 
 if __name__ == "__main__":
+    from retrofit.errors import run_cli  # bad input: one `error:` line, exit code 2
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -1,4 +1,5 @@
-"""Strict, atomic JSON for evaluation results (NumPy and torch values understood, NaN -> null)."""
+"""Strict JSON for evaluation results (NumPy and torch values understood, NaN -> null), written atomically by
+``retrofit.checkpointing.write_text_atomic`` (the project's one atomic writer)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import enum
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
@@ -83,29 +83,18 @@ def to_jsonable(obj: Any, _loc: str = "$") -> Any:
 
 
 def atomic_write_text(text: str, path: str | os.PathLike) -> str:
-    """Write ``text`` to a temporary file next to ``path``, fsync, then ``os.replace``."""
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    """Write ``text`` atomically (``retrofit.checkpointing.write_text_atomic``: temp file, fsync, ``os.replace``,
+    fsync of the folder); returns ``path`` as a string."""
+    from ..checkpointing import write_text_atomic
+
+    return str(write_text_atomic(path, text))
 
 
 def write_json(obj: Any, path: str | os.PathLike, indent: int = 2) -> str:
     """Serialize ``obj`` to strict JSON at ``path`` atomically.
 
     The whole document is serialized in memory first (see :func:`to_jsonable`), then written
-    to a temporary file in the same directory and moved over ``path`` with ``os.replace``; a
+    through the project's one atomic writer (``retrofit.checkpointing.write_text_atomic``); a
     failure at any point leaves a previous file at ``path`` untouched and no partial file.
 
     Args:
