@@ -71,6 +71,7 @@ POLICIES = {
     "kl": ({"exit_policy": "kl", "threshold": 0.05}, {"exit_policy": "kl", "exit_threshold": 0.05}),
     "state": ({"exit_policy": "state", "threshold": 0.5}, {"exit_policy": "state", "exit_threshold": 0.5}),
     "depth": ({"exit_policy": "depth", "depth": 2}, {"depth": 2}),
+    "decider+taps": ({"step_schedule": "taps"}, {"step_schedule": "taps"}),
 }
 
 
@@ -201,6 +202,27 @@ def test_generate_until_stop_string_and_budget(looped, tok):
     assert lm.meter.depths("answer", "s0").size <= 5  # the stop string ended row 0 early
 
 
+def test_prompt_tokens_are_retrofit_evals_raw_and_chat(looped):
+    """Raw prompts and lm-eval's --apply_chat_template give retrofit eval's prompt ids (and --chat's)."""
+    from tokenizers.processors import TemplateProcessing
+
+    from retrofit.testing import char_tokenizer
+
+    tok = char_tokenizer()  # this one adds BOS, as Llama tokenizers do
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", tok.bos_token_id)]
+    )
+    rows = task_rows("mano", [2], n=2, seed=0)
+    lm = RetrofitLM(pretrained=looped, tokenizer=tok)
+    for r, e in zip(rows, prepare(rows, tok, EvalOptions())):
+        assert lm.tok_encode(r["prompt"]) == e.prompt_ids
+        assert e.prompt_ids[0] == tok.bos_token_id and e.prompt_ids[1] != tok.bos_token_id
+    for r, e in zip(rows, prepare(rows, tok, EvalOptions(chat=True))):
+        text = lm.apply_chat_template([{"role": "user", "content": r["prompt"]}])
+        assert lm.tok_encode(text) == e.prompt_ids
+        assert tok.decode(e.prompt_ids).startswith("<|im_start|>user")  # one BOS, from the template
+
+
 def test_model_arguments_are_checked(looped, tok):
     from retrofit.testing import tiny_base
 
@@ -218,6 +240,8 @@ def test_model_arguments_are_checked(looped, tok):
         ({"dtype": "float8"}, "dtype must be one of"),
         ({"max_gen_toks": 0}, "max_gen_toks must be a positive int"),
         ({"temperature": 1.0}, r"unknown retrofit model_args \['temperature'\]"),
+        ({"step_schedule": "fast"}, "unknown step_schedule 'fast'; allowed: unit, taps"),
+        ({"max_length": 1}, "max_length must be an int >= 2"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):

@@ -202,9 +202,19 @@ class RetrofitLM(TemplateLM):
         self._device = dev
         self.info = model_info(self.model)
         self.exit_policy, self.threshold, self.depth = self._check_policy(exit_policy, threshold, depth)
+        if step_schedule is not None:
+            if not self.info.looped:
+                raise ValueError(f"step_schedule= needs a looped checkpoint; {self.pretrained} is a plain model")
+            from retrofit.schedulers import build_step_schedule
+
+            build_step_schedule(step_schedule)  # raises with the allowed names
         self.step_schedule = step_schedule
         self.batch_size = self._check_batch_size(batch_size)
-        self._max_length = int(max_length) if max_length is not None else None
+        if max_length is not None and (
+            isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2
+        ):
+            raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
+        self._max_length = max_length
         if isinstance(max_gen_toks, bool) or not isinstance(max_gen_toks, int) or max_gen_toks < 1:
             raise ValueError(f"max_gen_toks must be a positive int, got {max_gen_toks!r}")
         self.max_gen_toks = max_gen_toks
