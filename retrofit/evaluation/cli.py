@@ -119,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None, help=_help("max_new_tokens"))
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help=_help("batch_size"))
     parser.add_argument("--chat", action="store_true", help=_help("chat"))
-    parser.add_argument("--answer-sep", default=" ", help=_help("answer_sep"))
+    parser.add_argument("--answer-sep", default=EvalOptions().answer_sep, help=_help("answer_sep"))
     parser.add_argument("--alignment", choices=A.ALIGNMENTS, default=_default("alignment"), help=_help("alignment"))
     parser.add_argument("--accuracy", choices=ACCURACY_MODES, default=_default("accuracy"), help=_help("accuracy"))
     parser.add_argument(

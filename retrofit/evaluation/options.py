@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from data_prep.common import ANSWER_SEP
+
 from .analysis import ALIGNMENTS
 
 __all__ = [
@@ -53,7 +55,12 @@ class EvalOptions:
     )
     batch_size: int = _help("Sequences per forward; lower it if memory is short.", DEFAULT_BATCH_SIZE)
     chat: bool = _help("Wrap each prompt in the tokenizer's chat template (default: continue the raw prompt).", False)
-    answer_sep: str = _help("Text between a raw prompt and its answer (ignored with chat).", " ")
+    answer_sep: str = _help(
+        "Text between a raw prompt and its answer (ignored with chat); the default is the one SFT formatting puts "
+        "before a task row's answer (data_prep.common.ANSWER_SEP, a space), so a model is scored on the text it "
+        "was trained on.",
+        ANSWER_SEP,
+    )
     accuracy: str = _help(
         "How accuracy (levels, forced depths, exit policies) is measured. 'generate': greedy generation scored "
         "by the task's scorer. 'teacher_forced_argmax': one teacher-forced forward per batch; a row is correct "
