@@ -913,3 +913,41 @@ def test_lano_spearman_on_generated_strings_vs_bruteforce(tok, monkeypatch):
         assert got == pytest.approx(ref, abs=1e-6) or (math.isnan(got) and math.isnan(ref)), proxy
         assert res["spearman"][proxy]["n"] == len(depths)
     assert np.std(depths) > 0.05 and not math.isnan(res["spearman"]["multiplications"]["rho"])
+
+
+def test_splits_pool_training_and_held_out_levels(looped, tok):
+    """``splits`` pools the rows of the training levels and of the other levels: accuracy = the share of
+    right rows, counted by hand on planted answers, with the Wilson interval of that count."""
+    from data_prep.common import first_line
+    from retrofit.evaluation.decoding import greedy_generate
+    from retrofit.evaluation.rows import task_rows
+    from retrofit.evaluation.stats import wilson_interval
+
+    rows = task_rows("mano", [1, 2, 3], n=2, seed=0)
+    gens = greedy_generate(looped, tok, [e.prompt_ids for e in prepare(rows, tok, EvalOptions())], 6)
+    planted = (0, 2, 3)  # one row of level 1 (training) and both rows of level 2 (held out)
+    for i in planted:
+        assert first_line(gens[i]["text"]).strip(), "the planted answer must hold a character"
+        rows[i]["answer"] = first_line(gens[i]["text"]).strip()
+    res = R.evaluate(
+        looped,
+        tok,
+        "mano",
+        rows={"mano": rows},
+        train_levels=[1, 3],
+        progress=False,
+        forced_depths=False,
+        exit_policies=False,
+        max_new_tokens=6,
+    )
+    t = res["models"]["model"]["tasks"]["mano"]
+    right = {i for i in range(len(rows)) if i in planted}  # a random model gets nothing else right
+    assert sum(e["accuracy"] * e["n"] for e in t["levels"].values()) == pytest.approx(len(right))
+    for name, levels in (("train", [1, 3]), ("held_out", [2])):
+        s = t["splits"][name]
+        idx = [i for i, r in enumerate(rows) if r["difficulty"] in levels]
+        k = len(right.intersection(idx))
+        assert s["levels"] == levels and s["n"] == len(idx)
+        assert s["accuracy"] == pytest.approx(k / len(idx))
+        assert s["accuracy_ci"] == pytest.approx(list(wilson_interval(k, len(idx), 0.95)))
+    assert res["config"]["train_levels"] == {"mano": [1, 3]} and res["config"]["held_out_levels"] == {"mano": [2]}

@@ -31,6 +31,8 @@ strings are sorted numerically). Accuracies are fractions in [0, 1] (shown as pe
                   "split": "train"|"interp"|"extrap",  # optional
                 },
               },
+              "splits": {"train" | "held_out": {"levels": [...], "n", "accuracy", "accuracy_ci"}},
+                  # rows of the training levels vs the other levels, pooled (Wilson interval)
               "forced_depth_accuracy": {d: accuracy},          # test-time scaling, d = 1..D
               "exit_policies": {                               # learned vs training-free exits
                 policy: {"accuracy": float, "mean_depth": float, "saving": float (optional)},

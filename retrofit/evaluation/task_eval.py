@@ -296,6 +296,19 @@ def _evaluate_task(
         "levels": level_entries,
     }
 
+    # --- training vs held-out levels, pooled ------------------------------------------------------
+    is_train = np.array([split_of(e.level, train) == "train" for e in examples], dtype=bool)
+    result["splits"] = {
+        name: {
+            "levels": [lv for lv in levels_sorted if (split_of(lv, train) == "train") == want],
+            "n": int(mask.sum()),
+            "accuracy": float(correct[mask].mean()),
+            "accuracy_ci": ci(correct[mask]),
+        }
+        for name, want, mask in (("train", True, is_train), ("held_out", False, ~is_train))
+        if mask.any()
+    }
+
     # --- overall, compute ----------------------------------------------------------------------
     overall: dict[str, Any] = {
         "n": len(examples),
