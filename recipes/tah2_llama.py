@@ -61,8 +61,8 @@ from transformers import set_seed
 from trl import TrlParser
 
 from retrofit import LoopConfig
-from retrofit.convert import base_model_of
 from retrofit.checkpointing import last_checkpoint, write_json_atomic
+from retrofit.convert import base_model_of
 from retrofit.training import (
     NonFiniteLossError,
     RetrofitSFTConfig,
