@@ -9,7 +9,10 @@ Example (N = 4)::
     prompt: "a>c b>c c>d b>d ? d :"      answer: "a b c"
 
 Answer order: Kahn's algorithm on the sub-DAG induced by the ancestor set, always emitting the
-smallest available name (Python string order), so the answer is unique.
+smallest available name (Python string order), so the reference answer is unique. Scoring
+(:func:`score`) accepts *any* valid answer: every ancestor of the query exactly once, in an order
+that respects every edge among them (ANIRA asks for "the dependencies in topological order", and
+a DAG usually has many); it needs the prompt, which holds the edges.
 
 Node names are single characters ``a``-``z`` then ``A``-``Z`` (N <= 52), drawn at random per
 instance so that names leak nothing about the order.
@@ -27,14 +30,18 @@ regressors of ANIRA Table 2:
   have all been emitted) at the moment the node is emitted, counting the node itself (>= 1).
 * ``newly_enabled``: number of ancestors that become available because this node was emitted
   (children within the ancestor set whose last unemitted parent it was).
+
+The last two depend on the emission order; :func:`order_features` computes all four along any
+valid (prefix of an) order, e.g. a model's own answer.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import string
 
-from data_prep.common import Task, level_rng
+from data_prep.common import Task, first_line, level_rng
 
 MAX_IN_DEGREE = 4
 NAMES = string.ascii_lowercase + string.ascii_uppercase
@@ -97,24 +104,16 @@ def ancestors(edges: list[tuple[str, str]], query: str) -> set[str]:
     return seen
 
 
-def solve(edges: list[tuple[str, str]], query: str) -> tuple[list[str], list[dict]]:
-    """Returns the answer order and its per-node features (definitions in the module docstring).
-
-    Args:
-        edges: ``(parent, child)`` pairs of a DAG.
-        query: The query node.
-
-    Returns:
-        ``(order, features)``: ancestors of ``query`` in tie-broken topological order, and one
-        feature dict per entry of ``order``.
-    """
-    anc = ancestors(edges, query)
+def _graph(edges: list[tuple[str, str]]):
     out_degree: dict[str, int] = {}
     parents: dict[str, list[str]] = {}
     for u, v in edges:
         out_degree[u] = out_degree.get(u, 0) + 1
         parents.setdefault(v, []).append(u)
+    return out_degree, parents
 
+
+def _dfs_depths(parents: dict[str, list[str]], query: str) -> dict[str, int]:
     depth: dict[str, int] = {}
 
     def dfs(node: str, d: int) -> None:
@@ -125,24 +124,58 @@ def solve(edges: list[tuple[str, str]], query: str) -> tuple[list[str], list[dic
 
     # Recursion depth <= N <= 52, well inside Python's limit.
     dfs(query, 0)
+    return depth
 
+
+def valid_prefix_length(edges: list[tuple[str, str]], query: str, order: list[str]) -> int:
+    """How many leading entries of ``order`` form a valid start of an answer.
+
+    Valid: each entry is an ancestor of ``query`` not listed before, all of whose parents inside
+    the ancestor set are already listed.
+    """
+    anc = ancestors(edges, query)
+    _, parents = _graph(edges)
+    placed: set[str] = set()
+    for k, node in enumerate(order):
+        if node not in anc or node in placed or any(p in anc and p not in placed for p in parents.get(node, [])):
+            return k
+        placed.add(node)
+    return len(order)
+
+
+def is_valid_answer(edges: list[tuple[str, str]], query: str, order: list[str]) -> bool:
+    """Whether ``order`` lists every ancestor of ``query`` exactly once in a topological order."""
+    return len(order) == len(ancestors(edges, query)) == valid_prefix_length(edges, query, order)
+
+
+def order_features(edges: list[tuple[str, str]], query: str, order: list[str]) -> list[dict]:
+    """The per-node features (module docstring) along ``order``, a valid prefix of an answer.
+
+    Raises:
+        ValueError: ``order`` is not a valid prefix (:func:`valid_prefix_length`).
+    """
+    k = valid_prefix_length(edges, query, order)
+    if k < len(order):
+        raise ValueError(f"brevo: {order[k]!r} at position {k} does not continue a valid answer")
+    anc = ancestors(edges, query)
+    out_degree, parents = _graph(edges)
+    depth = _dfs_depths(parents, query)
     remaining = {v: sum(1 for p in parents.get(v, []) if p in anc) for v in anc}
     children: dict[str, list[str]] = {}
     for u, v in edges:
         if u in anc and v in anc:
             children.setdefault(u, []).append(v)
-    available = sorted(v for v in anc if remaining[v] == 0)
-    order, feats = [], []
-    while available:
+    available = {v for v in anc if remaining[v] == 0}
+    feats = []
+    for node in order:
         frontier = len(available)
-        node = available.pop(0)
+        available.discard(node)
         enabled = []
         for c in children.get(node, []):
             remaining[c] -= 1
             if remaining[c] == 0:
                 enabled.append(c)
-        available = sorted(available + enabled)
-        order.append(node)
+        available.update(enabled)
         feats.append(
             {
                 "hub_out_degree": out_degree.get(node, 0),
@@ -151,7 +184,38 @@ def solve(edges: list[tuple[str, str]], query: str) -> tuple[list[str], list[dic
                 "newly_enabled": len(enabled),
             }
         )
-    return order, feats
+    return feats
+
+
+def solve(edges: list[tuple[str, str]], query: str) -> tuple[list[str], list[dict]]:
+    """Returns the reference answer order and its per-node features (module docstring).
+
+    Args:
+        edges: ``(parent, child)`` pairs of a DAG.
+        query: The query node.
+
+    Returns:
+        ``(order, features)``: ancestors of ``query`` in tie-broken topological order (always the
+        smallest available name), and one feature dict per entry of ``order``.
+    """
+    anc = ancestors(edges, query)
+    _, parents = _graph(edges)
+    remaining = {v: sum(1 for p in parents.get(v, []) if p in anc) for v in anc}
+    children: dict[str, list[str]] = {}
+    for u, v in edges:
+        if u in anc and v in anc:
+            children.setdefault(u, []).append(v)
+    available = sorted(v for v in anc if remaining[v] == 0)
+    order = []
+    while available:
+        node = available.pop(0)
+        for c in children.get(node, []):
+            remaining[c] -= 1
+            if remaining[c] == 0:
+                available.append(c)
+        available.sort()
+        order.append(node)
+    return order, order_features(edges, query, order)
 
 
 def _choose_query(rng: random.Random, nodes: list[str], edges: list[tuple[str, str]]) -> str:
@@ -167,6 +231,31 @@ def _choose_query(rng: random.Random, nodes: list[str], edges: list[tuple[str, s
 def format_prompt(edges: list[tuple[str, str]], query: str) -> str:
     """Renders ``"a>c b>c ... ? d :"``."""
     return " ".join(f"{u}>{v}" for u, v in edges) + f" ? {query} :"
+
+
+_PROMPT = re.compile(r"\s*((?:\S+>\S+\s+)*)\?\s+(\S+)\s+:\s*")
+
+
+def parse_prompt(prompt: str) -> tuple[list[tuple[str, str]], str]:
+    """``"a>c b>c ? d :"`` -> ``([("a", "c"), ("b", "c")], "d")`` (inverse of :func:`format_prompt`).
+
+    Raises:
+        ValueError: not a BREVO prompt.
+    """
+    m = _PROMPT.fullmatch(prompt)
+    if not m:
+        raise ValueError(f"brevo: not a prompt of the form 'u>v u>v ... ? q :': {prompt[:80]!r}")
+    return [tuple(e.split(">", 1)) for e in m.group(1).split()], m.group(2)
+
+
+def score(prediction: str, answer: str, prompt: str) -> bool:
+    """True when the prediction's first line lists every dependency of the query exactly once in
+    an order that respects every edge among them (any valid topological order; ``answer`` is one
+    of them and is not needed)."""
+    if not isinstance(prediction, str):
+        return False
+    edges, query = parse_prompt(prompt)
+    return is_valid_answer(edges, query, first_line(prediction).split())
 
 
 def generate(level: int, n: int, seed: int) -> list[dict]:
@@ -199,6 +288,8 @@ TASK = Task(
     interp_levels=[9, 15, 21, 27],
     extrap_levels=[34, 40],
     generate_fn=generate,
+    score_fn=score,
+    score_uses_prompt=True,
     min_level=2,
     max_level=len(NAMES),
     has_token_features=True,

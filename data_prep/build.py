@@ -86,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     dd.save_to_disk(args.out)
+    train = sorted({int(x) for x in dd["train"]["difficulty"]})
+    held_out = sorted({int(x) for name, ds in dd.items() if name != "train" for x in ds["difficulty"]} - set(train))
     print(f"task {task.name} (knob {task.knob}), seed {args.seed} -> {args.out}")
+    print(f"  training levels {train}; held-out levels {held_out or 'none'}")
     print(summarize(dd))
     return 0
 

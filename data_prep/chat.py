@@ -1,41 +1,10 @@
-"""Chat / SFT data: load rows from disk and convert them to TRL's prompt-completion format.
+"""Chat / SFT data: load rows from disk, and the SFT formatting entry point for data_prep users.
 
-Accepted input rows (one of):
-
-* ``{"messages": [{"role": ..., "content": ...}, ...]}`` — the last message must be the
-  assistant reply (it becomes the completion; everything before it is the prompt, which must not
-  be empty).
-* ``{"prompt": ..., "completion": ...}`` — strings (standard) or lists of messages
-  (conversational); a string paired with a list is wrapped as a user / assistant message.
-* ``{"prompt": ..., "answer": ...}`` — our task rows (``data_prep.tasks``); ``answer`` is the
-  completion.  ``completion`` wins when a row has both.
-
-Roles allowed: ``system``, ``user``, ``assistant``, ``tool``; contents must be strings; only the
-``role`` and ``content`` keys of a message are kept, and the output has only the ``prompt`` and
-``completion`` columns (other columns such as ``difficulty`` are dropped), so the Arrow schema
-stays uniform.
-
-Emitted format (the ``format`` entry of the report says which):
-
-* ``tokenizer=None``: TRL *standard* prompt-completion (``{"prompt": str, "completion": str}``)
-  when every row is a string pair; otherwise TRL *conversational* prompt-completion
-  (``{"prompt": [messages], "completion": [assistant message]}``) for all rows, string pairs
-  wrapped as one user and one assistant message.  TRL then applies the chat template itself.
-* a tokenizer with a chat template: standard strings with the template already applied to every
-  row (string pairs wrapped as user / assistant first): ``prompt`` is
-  ``apply_chat_template(prompt_messages, add_generation_prompt=True)`` and ``completion`` is the
-  rest of ``apply_chat_template(prompt_messages + [reply])`` (the reply plus the template's
-  end-of-turn text).  If a template renders the prompt differently inside the full conversation
-  (so the prompt is not a prefix), the completion falls back to the reply text plus
-  ``eos_token`` and a warning is logged once.
-* a tokenizer without a chat template: standard strings; conversational rows are flattened as
-  ``"<role>: <content>\\n"`` lines followed by ``"assistant: "``, the completion is the reply.
-
-Bad rows raise :class:`DataError` (row index, problem, what is allowed) or, with
-``on_bad_row="skip"``, are dropped, counted per reason in the report and logged.  Reasons:
-``not_a_dict``, ``missing_columns``, ``bad_messages``, ``unknown_role``, ``non_string_content``,
-``empty_completion``, ``too_long`` (more than ``max_length`` tokens; needs a tokenizer) and
-``chat_template_error``.
+:func:`load_rows` reads a ``.jsonl`` / ``.json`` / ``.parquet`` file, a ``save_to_disk`` folder, a
+Dataset / DatasetDict or a list of dicts into a list of row dicts (the recipes read ``--data_file``
+through it). :func:`to_sft_dataset` is a thin alias of the project's one SFT formatter,
+``retrofit.training.format_sft_dataset``, applied to those rows: rows need ``prompt`` and
+``completion`` (or ``answer``, as the task rows of ``data_prep.tasks`` have) strings.
 """
 
 from __future__ import annotations
@@ -51,19 +20,7 @@ import datasets
 
 logger = logging.getLogger(__name__)
 
-ALLOWED_ROLES = ("system", "user", "assistant", "tool")
-BAD_ROW_REASONS = (
-    "not_a_dict",
-    "missing_columns",
-    "bad_messages",
-    "unknown_role",
-    "non_string_content",
-    "empty_completion",
-    "too_long",
-    "chat_template_error",
-)
-_ACCEPTED = "'messages', or 'prompt' + 'completion', or 'prompt' + 'answer'"
-_MAX_SKIP_LOGS = 20  # individual skip warnings before only the summary is logged
+_ACCEPTED = "'prompt' + 'completion' or 'prompt' + 'answer'"
 
 
 def _user_error_base():
@@ -79,7 +36,7 @@ class DataError(_user_error_base(), ValueError):
 
     Attributes:
         row_index: Index of the offending row, or None for file-level problems.
-        reason: One of ``BAD_ROW_REASONS`` for row problems, None otherwise.
+        reason: A short tag of a row problem, or None.
     """
 
     def __init__(self, message: str, row_index: int | None = None, reason: str | None = None):
@@ -226,10 +183,10 @@ def load_rows(source: Any, split: str | None = None, check_rows: bool = True) ->
         split: Split to take from a DatasetDict; defaults to ``train`` (or the only split).
         check_rows: for JSON / JSON Lines files, also require at least one row, every row a JSON
             object and one JSON type per field across rows (what ``datasets.Dataset.from_list``
-            needs). :func:`to_sft_dataset` passes False: it validates rows itself and may skip bad ones.
+            needs). :func:`to_sft_dataset` keeps it on: it builds a Dataset from the rows.
 
     Returns:
-        A list of rows (their contents unvalidated; :func:`to_sft_dataset` validates them).
+        A list of rows (their contents unvalidated; the SFT formatter checks prompt and completion).
 
     Raises:
         DataError: missing path, unsupported file type, unreadable or non-UTF-8 file, invalid JSON,
@@ -274,242 +231,32 @@ def load_rows(source: Any, split: str | None = None, check_rows: bool = True) ->
     )
 
 
-# --- validation --------------------------------------------------------------------------------
+# --- SFT formatting ----------------------------------------------------------------------------
 
 
-def _check_messages(messages: Any, i: int, field: str) -> list[dict]:
-    """Validates a message list; returns copies with only role/content."""
-    if not isinstance(messages, list) or not messages:
-        raise DataError(
-            f"row {i}: '{field}' must be a non-empty list of {{'role', 'content'}} messages, got {type(messages).__name__}",
-            i,
-            "bad_messages",
-        )
-    out = []
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(
-                f"row {i}: {field}[{j}] must be a dict with 'role' and 'content' keys, got {m!r:.80}", i, "bad_messages"
-            )
-        if m["role"] not in ALLOWED_ROLES:
-            raise DataError(
-                f"row {i}: {field}[{j}] has unknown role {m['role']!r}; allowed roles: {', '.join(ALLOWED_ROLES)}",
-                i,
-                "unknown_role",
-            )
-        if not isinstance(m["content"], str):
-            raise DataError(
-                f"row {i}: {field}[{j}] content must be a string, got {type(m['content']).__name__}",
-                i,
-                "non_string_content",
-            )
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
+def to_sft_dataset(source: Any, chat: bool = False, split: str | None = None):
+    """Rows from any source :func:`load_rows` reads, formatted for TRL by the project's one SFT formatter.
 
-
-def _check_reply(msg: dict, i: int, field: str) -> dict:
-    if msg["role"] != "assistant":
-        raise DataError(
-            f"row {i}: the last message of '{field}' must have role 'assistant', got {msg['role']!r}", i, "bad_messages"
-        )
-    if not msg["content"].strip():
-        raise DataError(
-            f"row {i}: the assistant reply in '{field}' is empty; a completion must contain text", i, "empty_completion"
-        )
-    return msg
-
-
-def _normalise(row: Any, i: int) -> tuple[str, Any, Any]:
-    """Returns ``("standard", prompt_str, completion_str)`` or ``("conv", prompt_msgs, reply_msg)``."""
-    if not isinstance(row, dict):
-        raise DataError(f"row {i}: must be a dict with {_ACCEPTED}, got {type(row).__name__}", i, "not_a_dict")
-    if "messages" in row and row["messages"] is not None:
-        msgs = _check_messages(row["messages"], i, "messages")
-        reply = _check_reply(msgs[-1], i, "messages")
-        if len(msgs) < 2:
-            raise DataError(
-                f"row {i}: 'messages' needs at least one message before the assistant reply", i, "bad_messages"
-            )
-        return "conv", msgs[:-1], reply
-    if "prompt" in row and ("completion" in row or "answer" in row):
-        prompt = row["prompt"]
-        col = "completion" if "completion" in row else "answer"
-        completion = row[col]
-        if isinstance(prompt, list) or isinstance(completion, list):
-            p_msgs = _check_messages(prompt, i, "prompt") if isinstance(prompt, list) else None
-            c_msgs = _check_messages(completion, i, col) if isinstance(completion, list) else None
-            if p_msgs is None:
-                if not isinstance(prompt, str):
-                    raise DataError(
-                        f"row {i}: 'prompt' must be a string or a list of messages, got {type(prompt).__name__}",
-                        i,
-                        "non_string_content",
-                    )
-                p_msgs = [{"role": "user", "content": prompt}]
-            if c_msgs is None:
-                if not isinstance(completion, str):
-                    raise DataError(
-                        f"row {i}: '{col}' must be a string or a list of messages, got {type(completion).__name__}",
-                        i,
-                        "non_string_content",
-                    )
-                c_msgs = [{"role": "assistant", "content": completion}]
-            if len(c_msgs) != 1:
-                raise DataError(
-                    f"row {i}: '{col}' must hold exactly one assistant message, got {len(c_msgs)}", i, "bad_messages"
-                )
-            return "conv", p_msgs, _check_reply(c_msgs[0], i, col)
-        for name, value in (("prompt", prompt), (col, completion)):
-            if not isinstance(value, str):
-                raise DataError(
-                    f"row {i}: '{name}' must be a string (or a list of messages), got {type(value).__name__}",
-                    i,
-                    "non_string_content",
-                )
-        if not completion.strip():
-            raise DataError(f"row {i}: '{col}' is empty; a completion must contain text", i, "empty_completion")
-        return "standard", prompt, completion
-    raise DataError(f"row {i}: missing columns; found {sorted(row)!r}, need {_ACCEPTED}", i, "missing_columns")
-
-
-# --- conversion --------------------------------------------------------------------------------
-
-
-def _has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def _count_tokens(tokenizer, prompt: str, completion: str, templated: bool) -> int:
-    # A rendered chat template already contains its special tokens as text.
-    n_prompt = len(tokenizer(prompt, add_special_tokens=not templated)["input_ids"])
-    return n_prompt + len(tokenizer(completion, add_special_tokens=False)["input_ids"])
-
-
-def to_sft_dataset(
-    rows: Any,
-    tokenizer=None,
-    max_length: int | None = None,
-    on_bad_row: str = "error",
-) -> tuple[datasets.Dataset, dict]:
-    """Validates rows and converts them to TRL prompt-completion data (format: module docstring).
+    A thin alias: ``retrofit.training.format_sft_dataset(datasets.Dataset.from_list(load_rows(source, split)),
+    chat=chat)``. Rows need ``prompt`` and ``completion`` (or ``answer``) strings; the formatter
+    skips rows with an empty or non-string completion, counting them in its report.
 
     Args:
-        rows: Anything :func:`load_rows` accepts (list of dicts, Dataset, path).
-        tokenizer: Optional HF tokenizer.  With a chat template, the template is applied to every
-            row; needed for ``max_length``.
-        max_length: Maximum tokens per row (prompt + completion as emitted); longer rows are bad.
-        on_bad_row: ``"error"`` raises :class:`DataError` on the first bad row; ``"skip"`` drops
-            bad rows and counts them in the report.
+        source: a file, a ``save_to_disk`` folder, a Dataset / DatasetDict or a list of dicts.
+        chat: emit conversational rows (one user and one assistant message) for a tokenizer
+            with a chat template; else plain strings.
+        split: the split of a DatasetDict (default ``train`` or the only split).
 
     Returns:
-        ``(dataset, report)`` with report keys ``rows_in``, ``rows_out``, ``skipped`` (reason ->
-        count), ``format`` (``"standard"`` or ``"conversational"``) and
-        ``chat_template_applied``.
+        ``(dataset, report)`` as ``format_sft_dataset`` returns them.
 
     Raises:
-        DataError: a bad row (``on_bad_row="error"``) or an unloadable source.
-        ValueError: invalid ``on_bad_row`` / ``max_length``, or ``max_length`` without tokenizer.
+        DataError: the source cannot be read.
+        retrofit.training.BadDataError: a required column is missing or no row is usable.
     """
-    if on_bad_row not in ("error", "skip"):
-        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
-    if max_length is not None:
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
-            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-        if tokenizer is None:
-            raise ValueError("max_length needs a tokenizer to count tokens; pass tokenizer=...")
-    raw = load_rows(rows, check_rows=False)
-    templated = tokenizer is not None and _has_chat_template(tokenizer)
-    skipped: dict[str, int] = {}
+    from retrofit.training import format_sft_dataset
 
-    def bad(err: DataError) -> None:
-        if on_bad_row == "error":
-            raise err
-        skipped[err.reason] = skipped.get(err.reason, 0) + 1
-        if sum(skipped.values()) <= _MAX_SKIP_LOGS:
-            logger.warning("skipping bad row: %s", err)
-
-    normal: list[tuple[int, str, Any, Any]] = []
-    for i, row in enumerate(raw):
-        try:
-            normal.append((i, *_normalise(row, i)))
-        except DataError as err:
-            bad(err)
-
-    conversational = tokenizer is None and any(kind == "conv" for _, kind, _, _ in normal)
-    out_prompt: list[Any] = []
-    out_completion: list[Any] = []
-    warned_prefix = False
-    for i, kind, prompt, reply in normal:
-        if conversational:
-            if kind == "standard":
-                prompt, reply = [{"role": "user", "content": prompt}], {"role": "assistant", "content": reply}
-            out_prompt.append(prompt)
-            out_completion.append([reply])
-            continue
-        if tokenizer is None:  # all standard
-            out_prompt.append(prompt)
-            out_completion.append(reply)
-            continue
-        if templated:
-            msgs = [{"role": "user", "content": prompt}] if kind == "standard" else prompt
-            reply_msg = {"role": "assistant", "content": reply} if kind == "standard" else reply
-            try:
-                p_text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-                full = tokenizer.apply_chat_template(msgs + [reply_msg], tokenize=False)
-            except Exception as e:  # noqa: BLE001 - jinja errors, e.g. templates demanding alternating roles
-                bad(
-                    DataError(
-                        f"row {i}: the tokenizer's chat template rejected this conversation ({e})",
-                        i,
-                        "chat_template_error",
-                    )
-                )
-                continue
-            if full.startswith(p_text):
-                c_text = full[len(p_text) :]
-            else:
-                if not warned_prefix:
-                    logger.warning(
-                        "chat template output of the prompt is not a prefix of the full conversation; "
-                        "using reply + eos_token as the completion"
-                    )
-                    warned_prefix = True
-                c_text = reply_msg["content"] + (tokenizer.eos_token or "")
-        elif kind == "conv":
-            p_text = "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
-            c_text = reply["content"]
-        else:
-            p_text, c_text = prompt, reply
-        if max_length is not None:
-            n_tokens = _count_tokens(tokenizer, p_text, c_text, templated)
-            if n_tokens > max_length:
-                bad(
-                    DataError(
-                        f"row {i}: {n_tokens} tokens exceeds max_length={max_length}; shorten the row or raise max_length",
-                        i,
-                        "too_long",
-                    )
-                )
-                continue
-        out_prompt.append(p_text)
-        out_completion.append(c_text)
-
-    if skipped:
-        logger.warning("skipped %d of %d rows: %s", sum(skipped.values()), len(raw), skipped)
-    if conversational:
-        msg = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
-        features = datasets.Features({"prompt": msg, "completion": msg})
-    else:
-        features = datasets.Features({"prompt": datasets.Value("string"), "completion": datasets.Value("string")})
-    ds = datasets.Dataset.from_dict({"prompt": out_prompt, "completion": out_completion}, features=features)
-    report = {
-        "rows_in": len(raw),
-        "rows_out": len(ds),
-        "skipped": skipped,
-        "format": "conversational" if conversational else "standard",
-        "chat_template_applied": templated,
-    }
-    return ds, report
+    return format_sft_dataset(datasets.Dataset.from_list(load_rows(source, split)), chat=chat)
 
 
 def write_jsonl(rows: Iterable[dict], path: str | os.PathLike) -> None:

@@ -10,7 +10,9 @@ The contract every task honours:
   dict per whitespace-separated answer token.
 * The same ``(level, n, seed)`` gives identical rows, and each level draws from its own RNG
   stream (:func:`level_rng`), so adding or removing levels never changes the rows of another.
-* ``score(prediction, answer) -> bool``.
+* ``score(prediction, answer, prompt=None) -> bool``; a task whose answer alone cannot judge a
+  prediction (BREVO: any valid topological order is right, and the order's constraints are in
+  the prompt) sets ``score_uses_prompt`` and requires the prompt.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Task", "check_level", "derive_seed", "exact_match", "first_line", "level_rng"]
+__all__ = ["ANSWER_SEP", "Task", "check_level", "derive_seed", "exact_match", "first_line", "level_rng"]
+
+#: Text between a task row's ``prompt`` and its ``answer`` when they are joined into one raw (non-chat) string:
+#: SFT formatting (``retrofit.training.format_sft_dataset``), ``retrofit eval`` (``EvalOptions.answer_sep``) and
+#: the lm-eval task folders all use it, so a model is evaluated on the text it was trained on ("+ 3 4 = 7").
+ANSWER_SEP = " "
 
 
 def derive_seed(*parts: object) -> int:
@@ -100,13 +107,15 @@ class Task:
         extrap_levels: Held-out levels outside the training range (extrapolation).
         generate_fn: ``(level, n, seed) -> list[dict]``; called through :meth:`generate`, which
             validates ``level`` and ``n`` first.
-        score_fn: ``(prediction, answer) -> bool``; defaults to :func:`exact_match`.
+        score_fn: ``(prediction, answer) -> bool``, or ``(prediction, answer, prompt) -> bool`` when
+            ``score_uses_prompt``; defaults to :func:`exact_match`.
         min_level: Smallest valid level.
         max_level: Largest valid level, or None when unbounded.
         has_token_features: Whether rows carry a ``token_features`` column.
         dedup_on_answer: When the prompt does not identify an instance (LANO's prompt only states
             the length), train/eval de-duplication keys on ``prompt + answer`` instead of the
             prompt alone.
+        score_uses_prompt: ``score_fn`` needs the row's prompt (BREVO).
         description: One line for ``--help`` and summaries.
         level_names: Optional display names of levels (GSM: 0 -> "MAIN-like", ...).
     """
@@ -122,6 +131,7 @@ class Task:
     max_level: int | None = None
     has_token_features: bool = False
     dedup_on_answer: bool = False
+    score_uses_prompt: bool = False
     description: str = ""
     level_names: dict[int, str] = field(default_factory=dict)
 
@@ -148,8 +158,19 @@ class Task:
             raise ValueError(f"{self.name}: n must be a non-negative int, got {n!r}")
         return self.generate_fn(level, n, seed)
 
-    def score(self, prediction: str, answer: str) -> bool:
-        """Whether ``prediction`` is correct for gold ``answer`` (see the task module)."""
+    def score(self, prediction: str, answer: str, prompt: str | None = None) -> bool:
+        """Whether ``prediction`` is correct for gold ``answer`` (see the task module).
+
+        Raises:
+            ValueError: the task judges with the prompt (``score_uses_prompt``) and none was given.
+        """
+        if self.score_uses_prompt:
+            if prompt is None:
+                raise ValueError(
+                    f"{self.name}: scoring needs the row's prompt (score(prediction, answer, prompt=row['prompt'])): "
+                    "the answer alone cannot tell which other answers are also right"
+                )
+            return bool(self.score_fn(prediction, answer, prompt))
         return bool(self.score_fn(prediction, answer))
 
     def dedup_key(self, row: dict) -> str:

@@ -29,18 +29,23 @@ a prefix equals the prefix of the parse; the tests check this).  Column i is the
 edges ending at position i (``LeafEdge`` excluded); column 0 holds the initial predictions.
 For the token at 1-based position i:
 
-* ``parser_work``: number of edges in column i — the edges the parser adds when it reads token i
-  (ANIRA's "additions" proxy).
 * ``expansion``: ``active(i) - active(i-1)``, where ``active(i)`` counts incomplete edges
   (dotted rules still waiting for symbols) in column i: growth of the open parse space.
 * ``convergence``: ``open(i-1) - open(i)``, where ``open(i)`` is the number of distinct
   ``(lhs nonterminal, start)`` pairs among incomplete edges in column i that have already
   consumed input (dot > 0): how many partial nonterminal analyses of the prefix were resolved
   (closed or ruled out) by token i.  Positive = ambiguity reduced.
-* ``parser_mults``: multiplications the inside algorithm spends on constituents completed at
-  position i: for each complete edge in column i and each of its child-pointer lists (ways to
-  build it), ``len(rhs)`` multiplications (rule probability times each child's inside
-  probability).
+* ``additions`` and ``multiplications`` (ANIRA Table 1's "additions" and "multiplications"): the
+  arithmetic the inside algorithm spends on the constituents completed at position i. A
+  constituent ``(A, k, i)`` (A derives tokens k+1..i, and the parser predicted A at k) has the
+  inside probability ``β(A, k, i) = Σ_{A → X1..Xr, k = s0 < s1 < ... < sr = i} P(A → X1..Xr)
+  · Π_j β(Xj, s_{j-1}, s_j)`` (β = 1 for a terminal): a sum of T terms, one per (rule, split of
+  the span among its children) whose children derive their pieces. It costs ``T − 1`` additions
+  and ``r`` multiplications per term. A split is counted once however many ways its children can
+  be built (their sums are separate constituents), which is why these are read from the
+  chart's constituent spans rather than from its child-pointer lists.
+* ``chart_edges``: number of chart edges in column i — all the parser adds when it reads token i
+  (earlier versions reported this as the "additions" proxy; it is not the inside algorithm's).
 """
 
 from __future__ import annotations
@@ -175,6 +180,23 @@ def is_grammatical(tokens: Sequence[str]) -> bool:
     return any(e.is_complete() and e.lhs() == start for e in ch.select(end=len(tokens), start=0))
 
 
+def _inside_arithmetic(ch, n: int) -> tuple[list[int], list[int]]:
+    """Inside-algorithm additions and multiplications per end position 1..n (module docstring)."""
+    # (lhs, start, end) -> {(rhs, split spans)}: one inside term per distinct rule and split
+    terms: dict[tuple, set] = {}
+    for e in ch.edges():
+        if isinstance(e, nltk_chart.LeafEdge) or not e.is_complete():
+            continue
+        key = (e.lhs(), e.start(), e.end())
+        for cpl in ch.child_pointer_lists(e):
+            terms.setdefault(key, set()).add((e.rhs(), tuple((c.start(), c.end()) for c in cpl)))
+    adds, mults = [0] * (n + 1), [0] * (n + 1)
+    for (_, _, end), ways in terms.items():
+        adds[end] += len(ways) - 1
+        mults[end] += sum(len(rhs) for rhs, _ in ways)
+    return adds, mults
+
+
 def token_features(tokens: Sequence[str], cfg: nltk.CFG | None = None) -> list[dict]:
     """Per-token parser proxies (definitions in the module docstring).
 
@@ -183,26 +205,44 @@ def token_features(tokens: Sequence[str], cfg: nltk.CFG | None = None) -> list[d
         cfg: Grammar; defaults to the LANO grammar.
 
     Returns:
-        One dict per token with ``expansion``, ``convergence``, ``parser_work``, ``parser_mults``.
+        One dict per token with ``expansion``, ``convergence``, ``additions``, ``multiplications``
+        and ``chart_edges``.
     """
     ch = parse_chart(tokens, cfg)
-    active, open_analyses, work, mults = [], [], [], []
+    active, open_analyses, work = [], [], []
     for i in range(len(tokens) + 1):
         column = [e for e in ch.select(end=i) if not isinstance(e, nltk_chart.LeafEdge)]
         incomplete = [e for e in column if not e.is_complete()]
         active.append(len(incomplete))
         open_analyses.append(len({(e.lhs(), e.start()) for e in incomplete if e.dot() > 0}))
         work.append(len(column))
-        mults.append(sum(len(cpl) for e in column if e.is_complete() for cpl in ch.child_pointer_lists(e)))
+    adds, mults = _inside_arithmetic(ch, len(tokens))
     return [
         {
             "expansion": active[i] - active[i - 1],
             "convergence": open_analyses[i - 1] - open_analyses[i],
-            "parser_work": work[i],
-            "parser_mults": mults[i],
+            "additions": adds[i],
+            "multiplications": mults[i],
+            "chart_edges": work[i],
         }
         for i in range(1, len(tokens) + 1)
     ]
+
+
+def viable_prefix_length(tokens: Sequence[str]) -> int:
+    """How many leading ``tokens`` are terminals forming a prefix of some sentence of the grammar
+    (the incremental parser still has an analysis after reading them)."""
+    k = 0
+    while k < len(tokens) and tokens[k] in TERMINALS:
+        k += 1
+    if k == 0:
+        return 0
+    ch = parse_chart(list(tokens[:k]))
+    for i in range(1, k + 1):
+        # a viable prefix leaves an edge that has consumed token i (scanned or completed through it)
+        if not any(not isinstance(e, nltk_chart.LeafEdge) and e.dot() > 0 for e in ch.select(end=i)):
+            return i - 1
+    return k
 
 
 def score(prediction: str, answer: str) -> bool:

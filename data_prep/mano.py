@@ -8,8 +8,10 @@ Example row (L = 2)::
 
     {"prompt": "+ * 3 4 5 =", "answer": "17", "difficulty": 2, "task": "mano"}
 
-ANIRA trains on L ∈ {3, …, 16} and reports collapse for L > 16; the defaults follow that, with
-three interior levels held out for interpolation.
+ANIRA trains on L ∈ {3, …, 16} and reports collapse for L > 16; the defaults follow that: every
+level 3..16 trains, and 18, 20, 24 are evaluated as extrapolation. Holding interior levels out
+(interpolation) is opt-in: ``build_splits("mano", ..., interp_levels=mano.INTERP_HOLDOUT)``
+(``--interp_levels 7,11,15`` in the recipes) removes them from the default training levels.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from data_prep.common import Task, level_rng
 
 MOD = 23
 OPERATORS = ("+", "-", "*")
+#: Interior levels to hold out for an interpolation test (opt-in; ANIRA trains on all of 3..16).
+INTERP_HOLDOUT = (7, 11, 15)
 
 
 def _apply(op: str, a: int, b: int) -> int:
@@ -73,8 +77,8 @@ def generate(level: int, n: int, seed: int) -> list[dict]:
 TASK = Task(
     name="mano",
     knob="L",
-    default_train_levels=[3, 4, 5, 6, 8, 9, 10, 12, 13, 14, 16],
-    interp_levels=[7, 11, 15],
+    default_train_levels=list(range(3, 17)),
+    interp_levels=[],
     extrap_levels=[18, 20, 24],
     generate_fn=generate,
     min_level=1,

@@ -178,7 +178,8 @@ def build_splits(
         n_eval: Evaluation rows per level in each eval split.
         seed: Base seed; train uses it directly (same rows as :func:`build_dataset`), each eval
             split uses derived, independent seeds.
-        train_levels: Defaults to ``task.default_train_levels``.
+        train_levels: Defaults to ``task.default_train_levels`` minus any level given in
+            ``interp_levels`` / ``extrap_levels`` (so holding a level out is one argument).
         interp_levels: Defaults to ``task.interp_levels``; pass ``[]`` to omit the split.
         extrap_levels: Defaults to ``task.extrap_levels``; pass ``[]`` to omit the split.
         n_valid: Validation rows per level (train, interp and extrap levels) in a ``valid`` split, drawn
@@ -192,11 +193,12 @@ def build_splits(
         ValueError: unknown task, invalid or overlapping levels, or no training levels.
     """
     task = get_task(task)
-    train_levels = _check_levels(
-        task, task.default_train_levels if train_levels is None else train_levels, "train_levels"
-    )
     interp_levels = _check_levels(task, task.interp_levels if interp_levels is None else interp_levels, "interp_levels")
     extrap_levels = _check_levels(task, task.extrap_levels if extrap_levels is None else extrap_levels, "extrap_levels")
+    if train_levels is None:
+        held_out = set(interp_levels) | set(extrap_levels)
+        train_levels = [lv for lv in task.default_train_levels if lv not in held_out]
+    train_levels = _check_levels(task, train_levels, "train_levels")
     if not train_levels:
         raise ValueError(f"{task.name}: train_levels is empty")
     for a_name, a, b_name, b in [

@@ -124,8 +124,8 @@ def check_targets(summary: dict) -> dict[str, dict]:
 def main_job_report(looped, tokenizer, pristine, controls: dict, out: Path, script, loop_args, identity_err,
                     t_start: float, timings: dict, trainer=None) -> dict:
     """Evaluate, export and summarize (see the module docstring). Returns the summary dict."""
-    from .checkpointing import write_json_atomic
     from .evaluation import evaluate
+    from .evaluation.jsonio import write_json
     from .evaluation.options import EvalOptions
     from .export import export_model
     from .recipe import task_splits
@@ -148,7 +148,7 @@ def main_job_report(looped, tokenizer, pristine, controls: dict, out: Path, scri
                 "controls": list(controls), "test_rows_per_level": script.eval_n or script.n_eval},
     )
     timings["evaluation_s"] = round(time.time() - t_eval, 1)
-    write_json_atomic(out / "final" / "retrofit_eval.json", results, default=str)  # feeds the model card
+    write_json(results, out / "final" / "retrofit_eval.json")  # feeds the model card; atomic, strict JSON
     t_exp = time.time()
     export_model(looped, out / "export", tokenizer=tokenizer, overwrite=True)
     timings["export_s"] = round(time.time() - t_exp, 1)
@@ -167,7 +167,7 @@ def main_job_report(looped, tokenizer, pristine, controls: dict, out: Path, scri
     summary["targets"] = check_targets(summary)
     summary["outputs"] = {"checkpoint": str(out / "final"), "export": str(out / "export"), "report": str(out / "report"),
                           **{f"control_{k}": str(c.path) for k, c in controls.items()}}
-    write_json_atomic(out / "summary.json", summary, default=str)
+    write_json(summary, out / "summary.json")
     _print_summary(summary)
     return summary
 

@@ -162,13 +162,17 @@ class RetrofitSFTConfig(SFTConfig):
 # ------------------------------------------------------------------------------------------------
 # Data
 # ------------------------------------------------------------------------------------------------
-def format_sft_dataset(dataset, chat: bool = False, completion_column: str | None = None, answer_sep: str = " "):
+def format_sft_dataset(
+    dataset, chat: bool = False, completion_column: str | None = None, answer_sep: str | None = None
+):
     """Validate rows and turn them into TRL prompt/completion rows.
 
-    Raw (non-chat) rows are trained as ``prompt + answer_sep + answer`` when the target comes from an
-    ``answer`` column — the text ``retrofit eval`` and ``retrofit lm-eval`` score (their answer separator
-    is the same single space) — and as ``prompt + completion`` when a ``completion`` column gives the
-    literal continuation. No separator is added after a prompt that already ends in whitespace.
+    TRL joins a plain prompt and completion with nothing between them (``prompt + completion``), so
+    a task row's separator goes into the completion: plain rows whose target is an ``answer`` column
+    get ``completion = answer_sep + answer`` — the text ``retrofit eval`` scores after the prompt
+    (``EvalOptions.answer_sep``, both default ``data_prep.common.ANSWER_SEP`` = ``" "``). A
+    ``completion`` column is taken verbatim (TRL's convention: it holds its own leading space, if
+    any), and chat rows need no separator (the template separates the turns).
 
     Args:
         dataset: a ``datasets.Dataset`` with a ``prompt`` column and a ``completion`` or ``answer``
@@ -176,8 +180,8 @@ def format_sft_dataset(dataset, chat: bool = False, completion_column: str | Non
         chat: make conversational rows (``[{"role": "user", ...}]`` / ``[{"role": "assistant", ...}]``)
             for a tokenizer with a chat template; else plain strings (TRL appends EOS).
         completion_column: which column holds the target; default ``completion``, else ``answer``.
-        answer_sep: text between a raw prompt and an ``answer`` (ignored with ``chat`` or a
-            ``completion`` column).
+        answer_sep: text put before a plain ``answer`` target; None = ``ANSWER_SEP``. Ignored for a
+            ``completion`` column and with ``chat``.
 
     Returns:
         ``(dataset, report)``: the formatted dataset (other columns kept) and a dict of counts
@@ -220,13 +224,15 @@ def format_sft_dataset(dataset, chat: bool = False, completion_column: str | Non
         keep = [i for i, k in enumerate(kinds) if k == "ok"]
         dataset = dataset.select(keep)
 
-    sep = answer_sep if completion_column != "completion" else ""
+    if answer_sep is None:
+        from data_prep.common import ANSWER_SEP as answer_sep
+    sep = answer_sep if completion_column == "answer" else ""
 
     def to_row(ex):
         p, c = ex["prompt"], ex[completion_column]
         if chat:
             return {"prompt": [{"role": "user", "content": p}], "completion": [{"role": "assistant", "content": c}]}
-        return {"prompt": p, "completion": c if (not p or p[-1].isspace()) else sep + c}
+        return {"prompt": p, "completion": sep + c}
 
     drop = [completion_column] if completion_column != "completion" else []
     if chat:

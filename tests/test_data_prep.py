@@ -65,9 +65,9 @@ def test_task_contract(key):
             assert isinstance(r["prompt"], str) and isinstance(r["answer"], str)
             assert r["answer"].strip() and "\n" not in r["answer"]
             assert r["prompt"].rstrip().endswith(("=", ":")), r["prompt"]
-            assert task.score(r["answer"], r["answer"])
-            assert task.score("  " + r["answer"] + "  \nmore text", r["answer"])  # first line only
-            assert not task.score("", r["answer"])
+            assert task.score(r["answer"], r["answer"], prompt=r["prompt"])
+            assert task.score("  " + r["answer"] + "  \nmore text", r["answer"], prompt=r["prompt"])  # first line only
+            assert not task.score("", r["answer"], prompt=r["prompt"])
             if task.has_token_features:
                 assert len(r["token_features"]) == len(r["answer"].split())
         # determinism, seed sensitivity
@@ -86,6 +86,8 @@ def test_levels_use_independent_streams():
 
 def test_wrong_answers_rejected():
     assert not TASKS["mano"].score("18", "17")
+    assert not TASKS["brevo"].score("b a", "a b", prompt="a>b b>c ? c :")
+    assert TASKS["brevo"].score("a b", "a b", prompt="a>b b>c ? c :")
     assert not TASKS["clrs_sorting"].score("1 3 2", "1 2 3")
     assert not TASKS["gsm"].score("The answer is 8", "7")
     assert TASKS["gsm"].score("The answer is 7 apples", "7")
@@ -164,6 +166,69 @@ def test_brevo_answers_and_knob(level):
         assert len(r["token_features"]) == len(order)
 
 
+def _brevo_valid(edges, query, order):
+    """Independent validator: the ancestor set (fixpoint), each once, every edge among them forward."""
+    anc = _ancestors_fixpoint(edges, query)
+    if len(order) != len(set(order)) or set(order) != anc:
+        return False
+    pos = {x: i for i, x in enumerate(order)}
+    return all(pos[u] < pos[v] for u, v in edges if u in anc and v in anc)
+
+
+def test_brevo_score_accepts_every_valid_order():
+    task = TASKS["brevo"]
+    n_multi = 0
+    for level in (4, 5, 6, 7):
+        for r in task.generate(level, 6, seed=3):
+            edges, query = _parse_brevo(r["prompt"])
+            assert brevo.parse_prompt(r["prompt"]) == (edges, query)
+            anc = sorted(_ancestors_fixpoint(edges, query))
+            if len(anc) > 6:
+                continue
+            valid = 0
+            for perm in itertools.permutations(anc):
+                ok = _brevo_valid(edges, query, list(perm))
+                assert task.score(" ".join(perm), r["answer"], prompt=r["prompt"]) == ok, perm
+                valid += ok
+            n_multi += valid > 1
+            # wrong sets: one dependency missing, a non-dependency added, a repeat
+            order = r["answer"].split()
+            assert not task.score(" ".join(order[:-1]), r["answer"], prompt=r["prompt"])
+            assert not task.score(" ".join(order + [query]), r["answer"], prompt=r["prompt"])
+            assert not task.score(" ".join(order + order[:1]), r["answer"], prompt=r["prompt"])
+    assert n_multi >= 5, "the check needs instances with more than one valid order"
+    with pytest.raises(ValueError, match="needs the row's prompt"):
+        task.score("a b", "a b")
+    with pytest.raises(ValueError, match="not a prompt"):
+        brevo.parse_prompt("sort 3 1 2 =")
+
+
+def test_brevo_order_features_along_another_order():
+    # a and b are both available first; the reference emits a first, this order emits b first
+    edges = [("a", "c"), ("b", "c"), ("c", "e"), ("d", "e"), ("a", "f"), ("f", "g")]
+    assert brevo.solve(edges, "e")[0] == ["a", "b", "c", "d"]
+    feats = brevo.order_features(edges, "e", ["b", "d", "a", "c"])
+    # frontier before each emission: {a,b,d} -> 3, {a,d} -> 2, {a} -> 1, {c} -> 1; a enables c
+    as_tuples = [(f["hub_out_degree"], f["dfs_depth"], f["frontier_size"], f["newly_enabled"]) for f in feats]
+    assert as_tuples == [(1, 2, 3, 0), (1, 1, 2, 0), (2, 2, 1, 1), (1, 1, 1, 0)]
+    assert brevo.valid_prefix_length(edges, "e", ["b", "c", "a"]) == 1  # c before its parent a
+    assert brevo.valid_prefix_length(edges, "e", ["b", "f"]) == 1  # f is no dependency of e
+    with pytest.raises(ValueError, match="does not continue a valid answer"):
+        brevo.order_features(edges, "e", ["c"])
+
+
+def test_mano_trains_on_all_levels_and_holds_out_on_request():
+    mano = TASKS["mano"]
+    assert mano.default_train_levels == list(range(3, 17)) and mano.interp_levels == []  # ANIRA's setting
+    dd = build_splits("mano", 2, 2, seed=0)
+    assert set(dd["train"]["difficulty"]) == set(range(3, 17)) and "eval_interp" not in dd
+    from data_prep.mano import INTERP_HOLDOUT
+
+    dd = build_splits("mano", 2, 2, seed=0, interp_levels=list(INTERP_HOLDOUT))
+    assert set(dd["train"]["difficulty"]) == set(range(3, 17)) - set(INTERP_HOLDOUT)
+    assert set(dd["eval_interp"]["difficulty"]) == set(INTERP_HOLDOUT)
+
+
 def test_brevo_features_hand_worked():
     edges = [("a", "c"), ("b", "c"), ("c", "e"), ("d", "e"), ("a", "f"), ("f", "g")]
     order, feats = brevo.solve(edges, "e")
@@ -213,8 +278,8 @@ def test_lano_strings_are_grammatical(level):
         assert tree.height() - 1 <= 7
         feats = r["token_features"]
         assert len(feats) == level
-        assert all(set(f) == {"expansion", "convergence", "parser_work", "parser_mults"} for f in feats)
-        assert all(f["parser_work"] > 0 for f in feats)
+        assert all(set(f) == {"expansion", "convergence", "additions", "multiplications", "chart_edges"} for f in feats)
+        assert all(f["chart_edges"] > 0 and f["multiplications"] >= 0 and f["additions"] >= 0 for f in feats)
 
 
 def test_lano_score_rejects_ungrammatical():
@@ -228,14 +293,122 @@ def test_lano_score_rejects_ungrammatical():
 def test_lano_features_hand_worked_and_prefix_invariant():
     toy = nltk.PCFG.fromstring("S -> A B [1.0]\nA -> 'a' [1.0]\nB -> 'b' [1.0]")
     # column 0: S->.A B, A->.'a' | column 1: A->'a'., S->A.B, B->.'b' | column 2: B->'b'., S->A B.
+    # inside: β(A,0,1) = P·1 (1 mult); β(B,1,2) = P·1 (1), β(S,0,2) = P·β(A)·β(B) (2); one term each: 0 additions
     assert lano.token_features(["a", "b"], toy) == [
-        {"expansion": 0, "convergence": -1, "parser_work": 3, "parser_mults": 1},
-        {"expansion": -2, "convergence": 1, "parser_work": 2, "parser_mults": 3},
+        {"expansion": 0, "convergence": -1, "additions": 0, "multiplications": 1, "chart_edges": 3},
+        {"expansion": -2, "convergence": 1, "additions": 0, "multiplications": 3, "chart_edges": 2},
     ]
     tokens = TASKS["lano"].generate(14, 1, seed=5)[0]["answer"].split()
     full = lano.token_features(tokens)
     for k in (1, 5, 13):
         assert lano.token_features(tokens[:k]) == full[:k]
+
+
+def _inside_arithmetic_bruteforce(grammar, tokens):
+    """Inside additions / multiplications per end position, from first principles.
+
+    A constituent (A, k, i) counts when A is *predicted* at k — some leftmost derivation reaches
+    ``tokens[:k] A ...`` (found by exploring derivations; the stack below the top is cut at the
+    length that could still matter, since every symbol yields at least one token) — and A derives
+    ``tokens[k:i]``. Its inside sum has one term per (rule, split of k..i among the rule's symbols)
+    whose every piece is derivable by its symbol; T terms cost T − 1 additions and len(rule) each
+    in multiplications.
+    """
+    from functools import lru_cache
+
+    n = len(tokens)
+    rules: dict = {}
+    for p in grammar.productions():
+        rules.setdefault(p.lhs(), []).append(p.rhs())
+
+    @lru_cache(maxsize=None)
+    def derives(sym, k, i):
+        if isinstance(sym, str):
+            return i == k + 1 and tokens[k] == sym
+        return any(splits(rhs, k, i) for rhs in rules[sym])
+
+    def splits(rhs, k, i):
+        """Every split k = s0 < ... < sr = i with each piece derivable by its symbol."""
+        out = []
+        for cuts in itertools.combinations(range(k + 1, i), len(rhs) - 1):
+            bounds = (k, *cuts, i)
+            if all(derives(x, bounds[j], bounds[j + 1]) for j, x in enumerate(rhs)):
+                out.append(bounds)
+        return out
+
+    predicted = set()
+    start = (0, (grammar.start(),))
+    seen, queue = {start}, deque([start])
+    while queue:
+        k, stack = queue.popleft()
+        if not stack:
+            continue
+        top, rest = stack[0], stack[1:]
+        if isinstance(top, str):
+            nxt = [(k + 1, rest)] if k < n and tokens[k] == top else []
+        else:
+            predicted.add((top, k))
+            nxt = [(k, tuple(rhs) + rest) for rhs in rules[top]]
+        for k2, st in nxt:
+            state = (k2, st[: n - k2 + 1])
+            if state not in seen:
+                seen.add(state)
+                queue.append(state)
+    adds, mults = [0] * (n + 1), [0] * (n + 1)
+    for sym, k in predicted:
+        for i in range(k + 1, n + 1):
+            terms = [(rhs, b) for rhs in rules[sym] for b in splits(rhs, k, i)]
+            if terms:
+                adds[i] += len(terms) - 1
+                mults[i] += sum(len(rhs) for rhs, _ in terms)
+    return adds[1:], mults[1:]
+
+
+def test_lano_inside_arithmetic_vs_bruteforce():
+    grammars = [
+        # ambiguous, left- and right-recursive: "a a a" has two bracketings
+        nltk.PCFG.fromstring("S -> S S [0.3] | 'a' [0.5] | 'b' [0.2]"),
+        # two rules covering the same span, unit rules, a terminal inside a rule
+        nltk.PCFG.fromstring(
+            "S -> A B [0.5] | C [0.5]\nA -> 'a' [0.6] | 'a' A [0.4]\nB -> 'b' [0.7] | B 'b' [0.3]\n"
+            "C -> A 'b' [0.5] | 'a' D [0.5]\nD -> B [1.0]"
+        ),
+    ]
+    strings = [list(s) for length in range(1, 6) for s in itertools.product("ab", repeat=length)]
+    for g in grammars:
+        for toks in strings:
+            feats = lano.token_features(toks, g)
+            adds, mults = _inside_arithmetic_bruteforce(g, toks)
+            assert [f["additions"] for f in feats] == adds, toks
+            assert [f["multiplications"] for f in feats] == mults, toks
+    assert max(_inside_arithmetic_bruteforce(grammars[0], list("aaaa"))[0]) > 0  # ambiguity shows up
+    for row in TASKS["lano"].generate(9, 2, seed=4):  # the real grammar
+        toks = row["answer"].split()
+        adds, mults = _inside_arithmetic_bruteforce(lano.grammar(), toks)
+        assert [f["additions"] for f in row["token_features"]] == adds
+        assert [f["multiplications"] for f in row["token_features"]] == mults
+
+
+def test_lano_viable_prefix():
+    good = TASKS["lano"].generate(10, 1, seed=1)[0]["answer"].split()
+    assert lano.viable_prefix_length(good) == 10
+    assert lano.viable_prefix_length(good[:4] + ["x"] + good[5:]) == 4  # not a terminal
+    parser = nltk.ChartParser(lano.grammar())
+
+    def viable_by_search(prefix):  # some grammatical string of length <= 16 starts with it
+        return any(
+            next(parser.parse(list(prefix) + list(tail)), None) is not None
+            for extra in range(0, 17 - len(prefix))
+            for tail in itertools.product("abc", repeat=extra)
+            if len(prefix) + extra >= 6 and extra <= 5
+        )
+
+    for prefix in [("a",), ("b", "b"), ("c", "c", "c", "c"), ("a", "a", "a", "a")]:
+        k = lano.viable_prefix_length(list(prefix))
+        if k == len(prefix):
+            assert viable_by_search(prefix), prefix
+        else:
+            assert not viable_by_search(prefix[: k + 1]), prefix
 
 
 # --- CLRS ----------------------------------------------------------------------------------------
@@ -442,103 +615,39 @@ def test_cli(tmp_path, capsys):
 
 
 GOOD_ROWS = [
-    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
     {"prompt": "2+2=", "completion": "4"},
     {"prompt": "+ 1 2 =", "answer": "3", "difficulty": 1, "task": "mano"},
 ]
 
-BAD_ROWS = {
-    "not_a_dict": ["just a string", "must be a dict"],
-    "missing_columns": [{"question": "q", "response": "r"}, "need 'messages', or 'prompt' \\+ 'completion'"],
-    "bad_messages": [{"messages": [{"role": "user", "content": "no reply"}]}, "must have role 'assistant'"],
-    "unknown_role": [
-        {"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]},
-        "unknown role 'bot'; allowed roles: system, user, assistant, tool",
-    ],
-    "non_string_content": [
-        {"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "y"}]},
-        "content must be a string",
-    ],
-    "empty_completion": [{"prompt": "p", "completion": "   "}, "is empty"],
-}
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_to_sft_dataset_is_the_training_formatter(chat):
+    """data_prep.chat.to_sft_dataset is an alias: the same rows and report as retrofit.training's formatter."""
+    from retrofit.training import format_sft_dataset
+
+    task_rows = build_dataset("mano", [2, 3], 3, seed=0).to_list()
+    for rows in (task_rows, [GOOD_ROWS[0], {"prompt": "p", "completion": "   "}, {"prompt": "q", "completion": "r"}]):
+        ds, report = to_sft_dataset(rows, chat=chat)
+        ref, ref_report = format_sft_dataset(datasets.Dataset.from_list(rows), chat=chat)
+        assert ds.to_list() == ref.to_list() and report == ref_report
+    assert report == {"rows": 3, "kept": 2, "empty_completion": 1, "malformed": 0}
+    first = ds[0]
+    if chat:
+        assert first["prompt"] == [{"role": "user", "content": "2+2="}]
+        assert first["completion"] == [{"role": "assistant", "content": "4"}]
+    else:
+        assert (first["prompt"], first["completion"]) == ("2+2=", "4")
 
 
-@pytest.mark.parametrize("reason", sorted(BAD_ROWS))
-def test_chat_bad_row_raises(reason):
-    row, pattern = BAD_ROWS[reason]
-    with pytest.raises(DataError, match=pattern) as e:
-        to_sft_dataset(GOOD_ROWS + [row])
-    assert e.value.reason == reason and e.value.row_index == 3
-    assert str(e.value).startswith("row 3:")
+def test_to_sft_dataset_missing_columns_is_a_clear_error():
+    from retrofit.training import BadDataError
 
-
-def test_chat_skip_mode_counts_reasons(caplog):
-    rows = GOOD_ROWS + [row for row, _ in BAD_ROWS.values()] + [BAD_ROWS["unknown_role"][0]]
-    with caplog.at_level(logging.WARNING, logger="data_prep.chat"):
-        ds, report = to_sft_dataset(rows, on_bad_row="skip")
-    assert len(ds) == 3 and report["rows_in"] == len(rows) and report["rows_out"] == 3
-    assert report["skipped"] == {r: (2 if r == "unknown_role" else 1) for r in BAD_ROWS}
-    assert "skipping bad row" in caplog.text
-
-
-def test_chat_formats():
-    ds, report = to_sft_dataset(GOOD_ROWS[1:])
-    assert report["format"] == "standard" and ds.to_list() == [
-        {"prompt": "2+2=", "completion": "4"},
-        {"prompt": "+ 1 2 =", "completion": "3"},
-    ]
-    ds, report = to_sft_dataset(GOOD_ROWS)
-    assert report["format"] == "conversational"
-    assert ds[0] == {
-        "prompt": [{"role": "user", "content": "hi"}],
-        "completion": [{"role": "assistant", "content": "hello"}],
-    }
-    assert ds[2]["completion"] == [{"role": "assistant", "content": "3"}]
-
-
-@pytest.fixture
-def toy_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "<eos>": 1}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>")
-
-
-def test_chat_with_tokenizer(toy_tokenizer):
-    # no chat template: plain strings, conversations flattened
-    ds, report = to_sft_dataset(GOOD_ROWS, tokenizer=toy_tokenizer)
-    assert report["format"] == "standard" and not report["chat_template_applied"]
-    assert ds[0] == {"prompt": "user: hi\nassistant: ", "completion": "hello"}
-    toy_tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-    )
-    ds, report = to_sft_dataset(GOOD_ROWS, tokenizer=toy_tokenizer)
-    assert report["chat_template_applied"]
-    assert ds[1] == {"prompt": "<|user|> 2+2= <eos>\n<|assistant|> ", "completion": "4 <eos>\n"}
-    long_row = {"prompt": " ".join(["w"] * 50), "completion": "x"}
-    with pytest.raises(DataError, match="row 3: .* exceeds max_length=20") as e:
-        to_sft_dataset(GOOD_ROWS + [long_row], tokenizer=toy_tokenizer, max_length=20)
-    assert e.value.reason == "too_long"
-    ds, report = to_sft_dataset(GOOD_ROWS + [long_row], tokenizer=toy_tokenizer, max_length=20, on_bad_row="skip")
-    assert len(ds) == 3 and report["skipped"] == {"too_long": 1}
-    with pytest.raises(ValueError, match="needs a tokenizer"):
-        to_sft_dataset(GOOD_ROWS, max_length=20)
-    # a template that rejects a conversation is reported per row, not as a jinja traceback
-    toy_tokenizer.chat_template = (
-        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}"
-        + toy_tokenizer.chat_template
-    )
-    system_first = {"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "y"}]}
-    with pytest.raises(DataError, match="row 3: the tokenizer's chat template rejected") as e:
-        to_sft_dataset(GOOD_ROWS + [system_first], tokenizer=toy_tokenizer)
-    assert e.value.reason == "chat_template_error"
+    with pytest.raises(BadDataError, match="lacks column"):
+        to_sft_dataset([{"question": "q", "response": "r"}])
 
 
 def test_chat_load_sources(tmp_path):
-    rows = [GOOD_ROWS[0], {"messages": GOOD_ROWS[0]["messages"] * 2}]
+    rows = [GOOD_ROWS[0], {"prompt": "a b", "completion": "c"}]
     write_jsonl(rows, tmp_path / "a.jsonl")
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "a.parquet"))
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
@@ -547,7 +656,7 @@ def test_chat_load_sources(tmp_path):
     for src in ["a.jsonl", "a.parquet", "saved", "saved_dict"]:
         assert load_rows(tmp_path / src) == rows, src
         ds, report = to_sft_dataset(str(tmp_path / src))
-        assert ds.to_list() == expected.to_list() and report["rows_out"] == 2
+        assert ds.to_list() == expected.to_list() and report["kept"] == 2
     assert load_rows(datasets.Dataset.from_list(rows)) == rows
     (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n{not json\n")
     with pytest.raises(DataError, match=r"bad.jsonl:2: invalid JSON"):

@@ -26,15 +26,14 @@ def test_valid_split_is_disjoint_from_train_and_every_test_split():
 def test_raw_training_text_is_prompt_space_answer_like_the_evaluator():
     rows = datasets.Dataset.from_list([
         {"prompt": "+ 3 4 =", "answer": "7"},
-        {"prompt": "ends in space ", "answer": "x"},
     ])
     ds, report = format_sft_dataset(rows, chat=False)
-    assert report["kept"] == 2
-    assert [p + c for p, c in zip(ds["prompt"], ds["completion"])] == ["+ 3 4 = 7", "ends in space x"]
+    assert report["kept"] == 1
+    assert [p + c for p, c in zip(ds["prompt"], ds["completion"])] == ["+ 3 4 = 7"]
     # a literal completion column is trained as given
     lit, _ = format_sft_dataset(datasets.Dataset.from_list([{"prompt": "a=", "completion": "b"}]), chat=False)
     assert lit["completion"] == ["b"]
     # the evaluator's separator is the same default
-    from retrofit.evaluation import runner
+    from retrofit.evaluation.options import EvalOptions
 
-    assert getattr(runner, "EvalOptions", None) is None or runner.EvalOptions().answer_sep == " "
+    assert EvalOptions().answer_sep == " "

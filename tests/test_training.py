@@ -131,11 +131,33 @@ def test_format_sft_dataset_reports_and_skips_bad_rows():
     )
     ds, report = format_sft_dataset(raw)
     assert report == {"rows": 5, "kept": 2, "empty_completion": 2, "malformed": 1}
-    assert ds["prompt"] == ["1+1=", "4+4="] and ds["completion"] == ["2", "8"]
+    # a task row's answer follows its prompt after the separator retrofit eval scores (TRL joins prompt + completion)
+    assert ds["prompt"] == ["1+1=", "4+4="] and ds["completion"] == [" 2", " 8"]
     assert "answer" not in ds.column_names
+    assert format_sft_dataset(raw, answer_sep="")[0]["completion"] == ["2", "8"]
     chat, _ = format_sft_dataset(raw, chat=True)
     assert chat[0]["prompt"] == [{"role": "user", "content": "1+1="}]
     assert chat[0]["completion"] == [{"role": "assistant", "content": "2"}]
+    # a completion column is the user's own text: verbatim
+    verbatim, _ = format_sft_dataset(datasets.Dataset.from_list([{"prompt": "Q:", "completion": "a"}]))
+    assert verbatim["completion"] == ["a"]
+
+
+def test_sft_text_is_the_text_retrofit_eval_scores():
+    """The training text (TRL: prompt + completion) of a task row equals retrofit eval's prompt + answer segment,
+    token for token, in raw and chat mode."""
+    from data_prep.tasks import build_dataset
+    from retrofit.evaluation.options import EvalOptions
+    from retrofit.evaluation.rows import prepare
+    from retrofit.testing import char_tokenizer
+
+    tok = char_tokenizer()
+    rows = build_dataset("mano", [2], 3, seed=0).to_list() + build_dataset("brevo", [4], 3, seed=0).to_list()
+    ds, _ = format_sft_dataset(datasets.Dataset.from_list(rows))
+    for ex, r in zip(prepare(rows, tok, EvalOptions()), ds):
+        assert r["prompt"] + r["completion"] == r["prompt"] + ex.segment
+        full = tok(r["prompt"] + r["completion"])["input_ids"]
+        assert full == ex.prompt_ids + ex.answer_ids
 
 
 def test_format_sft_dataset_errors():

@@ -1,6 +1,9 @@
-"""Complexity-controlled evaluation (METHODS.md §7): metrics, per-token analyses, plots, reports,
-and the ``retrofit eval`` driver (:func:`evaluate`, :func:`evaluate_task`)."""
+"""Complexity-controlled evaluation: options, passes, metrics, statistics, plots, reports and
+``retrofit eval`` (:func:`evaluate`, :func:`evaluate_task`, :class:`EvalOptions`)."""
 
-from .runner import evaluate, evaluate_task, write_artifacts
+from .artifacts import write_artifacts
+from .options import EvalOptions
+from .runner import evaluate
+from .task_eval import evaluate_task
 
-__all__ = ["evaluate", "evaluate_task", "write_artifacts"]
+__all__ = ["EvalOptions", "evaluate", "evaluate_task", "write_artifacts"]

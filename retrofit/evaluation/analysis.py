@@ -17,13 +17,13 @@ Depth of an answer token (``alignment``)
     ``out.depths[b, t]`` is the exit depth of *position* t, which reads token t and predicts
     token t+1. Two attributions of a depth to answer token j at position p_j exist:
 
-    * ``"predict"`` (default): the depth of position ``p_j - 1``, the compute spent to *produce*
-      token j. This matches generation cost accounting (each emitted token costs the depth of
-      the step that emitted it), the teacher-forced losses and the exit policies (which act on
-      the next-token distribution of ``p_j - 1``).
-    * ``"input"``: the depth of position ``p_j``, the compute spent while *reading* token j
-      (ANIRA's convention: its decider sees the token's own prelude state; the LANO proxies
-      count the parser's work when it reads token j).
+    * ``"input"`` (default): the depth of position ``p_j``, the compute spent while *reading*
+      token j (ANIRA's convention: its decider sees the token's own prelude state; the LANO
+      proxies count the parser's work when it reads token j).
+    * ``"predict"``: the depth of position ``p_j - 1``, the compute spent to *produce* token j.
+      This matches generation cost accounting (each emitted token costs the depth of the step
+      that emitted it), the teacher-forced losses and the exit policies (which act on the
+      next-token distribution of ``p_j - 1``), which therefore always use it.
 
 Training-free exits (METHODS.md §6), evaluated teacher-forced from ONE forward in which every
 token runs all D depths (``depth=D``, ``output_depth_logits=True``):
@@ -75,8 +75,9 @@ __all__ = [
     "word_values",
 ]
 
-ALIGNMENTS = ("predict", "input")
-LANO_PROXIES = ("expansion", "convergence", "parser_work", "parser_mults")
+ALIGNMENTS = ("input", "predict")
+#: ANIRA Table 1's proxies (data_prep.lano); ``chart_edges`` is reported next to them as a plain parser-work count.
+LANO_PROXIES = ("expansion", "convergence", "additions", "multiplications")
 BREVO_FEATURES = ("hub_out_degree", "dfs_depth", "frontier_size", "newly_enabled")
 
 #: policy -> (first depth the signal exists at, rule): "below" = exit when signal < τ (a larger τ

@@ -28,6 +28,7 @@ from retrofit.evaluation.metrics import loss_change_stats
 
 __all__ = [
     "plot_accuracy_vs_compute",
+    "plot_depth_by_token_difficulty",
     "plot_accuracy_vs_difficulty",
     "plot_depth_vs_difficulty",
     "plot_loss_change_histogram",
@@ -89,9 +90,7 @@ def _finite(v: Any) -> bool:
     return v is not None and isinstance(v, (int, float, np.number)) and math.isfinite(float(v))
 
 
-def _level_series(
-    ax: Any, series_by_model: Mapping[str, Mapping[Hashable, Any]]
-) -> dict[Hashable, float]:
+def _level_series(ax: Any, series_by_model: Mapping[str, Mapping[Hashable, Any]]) -> dict[Hashable, float]:
     """Draw one line per model over difficulty levels; return the level -> x mapping."""
     all_levels = [lvl for series in series_by_model.values() for lvl in series]
     pos, numeric = _level_positions(all_levels)
@@ -150,9 +149,7 @@ def plot_depth_vs_difficulty(
     fig, ax = _new_figure()
     _level_series(ax, levels_by_model)
     if max_depth is not None:
-        ax.axhline(
-            max_depth, color="0.4", linestyle="--", linewidth=1, label=f"max depth D = {max_depth}"
-        )
+        ax.axhline(max_depth, color="0.4", linestyle="--", linewidth=1, label=f"max depth D = {max_depth}")
         ax.set_ylim(0.8, max_depth + 0.3)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("mean exit depth d̄")
@@ -246,15 +243,16 @@ def plot_accuracy_vs_compute(
 ) -> str:
     """Test-time scaling curve: accuracy vs compute, forced depths joined, adaptive points starred.
 
-    Each point is ``(compute, accuracy, label)``. A point whose label is an integer or a string
-    like ``"3"``, ``"d=3"``, ``"depth 3"`` is a *forced-depth* point; those of one model are
-    joined by a line in order of compute. Any other label (``"adaptive"``, ``"tah2 τ=0.5"``,
-    ``"kl<1e-3"``) is drawn as a star in the model's colour. Every point is annotated with its
-    label.
+    Each point is ``(compute, accuracy, label)`` or ``(compute, accuracy, label, (low, high))``
+    with an accuracy interval, drawn as a vertical error bar. A point whose label is an integer
+    or a string like ``"3"``, ``"d=3"``, ``"depth 3"`` is a *forced-depth* point; those of one
+    model are joined by a line in order of compute. Any other label (``"adaptive"``,
+    ``"tah2 τ=0.5"``, ``"kl<1e-3"``) is drawn as a star in the model's colour. Every point is
+    annotated with its label.
 
     Args:
-        points_by_model: ``{model name: [(compute, accuracy, label), ...]}``. Compute may be
-            mean depth, layer passes or a FLOPs ratio; say which in ``xlabel``.
+        points_by_model: ``{model name: [(compute, accuracy, label[, (low, high)]), ...]}``.
+            Compute may be mean depth, layer passes or FLOPs per token; say which in ``xlabel``.
         path: output PNG path.
         title: figure title.
         xlabel: x-axis label.
@@ -267,19 +265,18 @@ def plot_accuracy_vs_compute(
     prop_colors = [c["color"] for c in _color_cycle()]
     for i, (name, points) in enumerate(points_by_model.items()):
         color = prop_colors[i % len(prop_colors)]
+        intervals = [(float(p[0]), float(p[1]), p[3]) for p in points if len(p) > 3 and p[3] is not None]
+        points = [tuple(p[:3]) for p in points]
+        for c, a, (lo, hi) in intervals:
+            if _finite(c) and _finite(a) and _finite(lo) and _finite(hi):
+                ax.errorbar(
+                    [c], [a], yerr=[[a - float(lo)], [float(hi) - a]], color=color, alpha=0.5, capsize=3, linewidth=1
+                )
         forced = sorted(
-            (
-                (float(c), float(a), lab)
-                for c, a, lab in points
-                if _finite(c) and _finite(a) and _is_forced(lab)
-            ),
+            ((float(c), float(a), lab) for c, a, lab in points if _finite(c) and _finite(a) and _is_forced(lab)),
             key=lambda p: p[0],
         )
-        other = [
-            (float(c), float(a), lab)
-            for c, a, lab in points
-            if _finite(c) and _finite(a) and not _is_forced(lab)
-        ]
+        other = [(float(c), float(a), lab) for c, a, lab in points if _finite(c) and _finite(a) and not _is_forced(lab)]
         if forced:
             xs, ys, _ = zip(*forced)
             ax.plot(
@@ -303,14 +300,12 @@ def plot_accuracy_vs_compute(
                 label=f"{name} (adaptive)" if forced else str(name),
             )
         for c, a, lab in forced + other:
-            ax.annotate(
-                str(lab), (c, a), textcoords="offset points", xytext=(4, 5), fontsize=7, color=color
-            )
+            ax.annotate(str(lab), (c, a), textcoords="offset points", xytext=(4, 5), fontsize=7, color=color)
     if logx:
         ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("accuracy")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     _finish_legend(ax)
     return _save(fig, path)
 
@@ -330,9 +325,7 @@ def _as_loss_stats(obj: Any, tol: float) -> dict[str, Any]:
     if isinstance(obj, Mapping) and "counts" in obj and "bin_edges" in obj:
         return dict(obj)
     # Δ values: reuse loss_change_stats with loss_first = 0, loss_last = Δ.
-    deltas = np.asarray(
-        obj.detach().cpu().float() if hasattr(obj, "detach") else obj, dtype=np.float64
-    )
+    deltas = np.asarray(obj.detach().cpu().float() if hasattr(obj, "detach") else obj, dtype=np.float64)
     return loss_change_stats(np.zeros_like(deltas), deltas, tol=tol)
 
 
@@ -413,3 +406,61 @@ def plot_loss_change_histogram(
     ax.set_title(title, fontsize=10)
     _finish_legend(ax)
     return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# per-token depth vs difficulty
+# ----------------------------------------------------------------------------------------------
+
+
+def plot_depth_by_token_difficulty(
+    stats_by_model: Mapping[str, Mapping[str, Any]],
+    path: str | os.PathLike,
+    title: str = "Exit depth of easy vs hard answer tokens",
+) -> str:
+    """Depth distribution of easy vs hard tokens, one panel per looped model.
+
+    Args:
+        stats_by_model: ``{model name: token_difficulty.depth_vs_token_difficulty output}`` (with
+            ``"easy"`` / ``"hard"`` groups holding ``depth_share`` over depths 1..D, and optionally
+            ``"reference"`` and ``"spearman"``).
+        path: output PNG path.
+        title: figure title.
+
+    Returns:
+        ``path`` as a string.
+    """
+    items = [(n, s) for n, s in stats_by_model.items() if s.get("easy") and s.get("hard")]
+    k = max(1, len(items))
+    fig = Figure(figsize=(4.6 * k + 1.0, 4.4), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    for j, (name, st) in enumerate(items):
+        ax = fig.add_subplot(1, k, j + 1)
+        ax.grid(True, axis="y", alpha=0.3)
+        D = max(len(st["easy"].get("depth_share") or []), len(st["hard"].get("depth_share") or []), 1)
+        x = np.arange(1, D + 1)
+        for off, group, color in ((-0.2, "easy", "tab:green"), (0.2, "hard", "tab:red")):
+            g = st[group]
+            share = [float(v) if _finite(v) else 0.0 for v in (g.get("depth_share") or [0.0] * D)]
+            ax.bar(
+                x + off,
+                share,
+                width=0.4,
+                color=color,
+                alpha=0.8,
+                label=f"{group} (n = {g.get('n', 0)}, d̄ = {_fmt_num(g.get('mean_depth'))})",
+            )
+        ax.set_xticks(x)
+        ax.set_xlabel("exit depth")
+        ax.set_ylabel("share of tokens")
+        ax.set_ylim(0, 1.05)
+        ref = st.get("reference")
+        rho = _fmt_num(st.get("spearman"), 3)
+        ax.set_title(f"{name}: ρ = {rho}" + (f" (difficulty: {ref} loss)" if ref else ""), fontsize=9)
+        _finish_legend(ax)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def _fmt_num(v: Any, digits: int = 2) -> str:
+    return f"{float(v):.{digits}f}" if _finite(v) else "n/a"

@@ -21,13 +21,18 @@ strings are sorted numerically). Accuracies are fractions in [0, 1] (shown as pe
                 level: {
                   "accuracy": float,                # in [0, 1]
                   "accuracy_se": float,             # optional binomial standard error
+                  "accuracy_ci": [low, high],       # optional Wilson interval (stats.wilson_interval)
                   "mean_depth": float,              # d̄ (absent for non-looped models)
                   "cost_exec": int,                 # Σ_d |A_d| (metrics.cost_exec)
                   "saving": float,                  # d̄ / D
+                  "layers_per_token": float,        # decoder-layer passes per answer token
+                  "flops_per_token": float,         # matmul FLOPs per answer token (models.flops_per_token)
                   "n": int,                         # examples at this level
                   "split": "train"|"interp"|"extrap",  # optional
                 },
               },
+              "splits": {"train" | "held_out": {"levels": [...], "n", "accuracy", "accuracy_ci"}},
+                  # rows of the training levels vs the other levels, pooled (Wilson interval)
               "forced_depth_accuracy": {d: accuracy},          # test-time scaling, d = 1..D
               "exit_policies": {                               # learned vs training-free exits
                 policy: {"accuracy": float, "mean_depth": float, "saving": float (optional)},
@@ -37,145 +42,37 @@ strings are sorted numerically). Accuracies are fractions in [0, 1] (shown as pe
                   # regression_dict = metrics.linear_regression / regression_with_control output:
                   # {"coefficients": {feature: b}, "intercept", "r2", "r2_controls"?, "n"}
               "loss_change": metrics.loss_change_stats output,
+              "token_difficulty": {"reference": name, **token_difficulty.depth_vs_token_difficulty output},
+              "compute_points": [{"label", "accuracy", "accuracy_ci", "mean_depth", "layers_per_token",
+                                  "flops_per_token"}],      # the accuracy-vs-compute plot
             },
           },
         },
       },
+      "comparisons": {                              # first model vs each other one, same rows
+        task_name: {other: {"a": first, "b": other, "levels": {level: cmp}, "train": cmp,
+                            "held_out": cmp, "all": cmp}},
+            # cmp = stats.paired_comparison output (counts, McNemar p, paired bootstrap)
+      },
     }
 
 Functions:
-    write_json              Atomic JSON writer that understands NumPy / torch values.
+    write_json              Atomic JSON writer that understands NumPy / torch values (:mod:`.jsonio`).
     write_markdown_report   The human-readable report with tables and embedded plots.
     summary_table           A ``rich`` table of accuracy and depth per model, task and level.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
-from pathlib import PurePath
 from typing import Any
 
+from .jsonio import _is_numpy, _is_tensor, atomic_write_text, to_jsonable, write_json
+
 __all__ = ["summary_table", "to_jsonable", "write_json", "write_markdown_report"]
-
-
-# ----------------------------------------------------------------------------------------------
-# JSON
-# ----------------------------------------------------------------------------------------------
-
-
-def _is_tensor(o: Any) -> bool:
-    return type(o).__module__.startswith("torch") and hasattr(o, "detach") and hasattr(o, "tolist")
-
-
-def _is_numpy(o: Any) -> bool:
-    return type(o).__module__.startswith("numpy")
-
-
-def _json_key(k: Any, loc: str) -> str:
-    if _is_numpy(k) or _is_tensor(k):
-        k = k.item()
-    if isinstance(k, str):
-        return k
-    if isinstance(k, bool):
-        return "true" if k else "false"
-    if isinstance(k, (int, float)):
-        return str(k)
-    if k is None:
-        return "null"
-    raise TypeError(
-        f"write_json: dict key {k!r} of type {type(k).__name__} at {loc} is not a JSON key"
-    )
-
-
-def to_jsonable(obj: Any, _loc: str = "$") -> Any:
-    """Convert ``obj`` into plain JSON-compatible Python values.
-
-    Handles dicts (keys stringified like ``json`` does), lists/tuples/sets, NumPy arrays and
-    scalars, torch tensors (any device/dtype, via ``.tolist()``), dataclasses, enums and paths.
-    Non-finite floats (NaN, ±inf) become ``None`` (JSON ``null``): strict JSON has no NaN.
-
-    Raises:
-        TypeError: naming the type and the location (``$.models.x.tasks``) of the first value
-            that cannot be converted.
-    """
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, int):
-        return int(obj)
-    if isinstance(obj, float):
-        return float(obj) if math.isfinite(obj) else None
-    if _is_tensor(obj):
-        obj = obj.detach().cpu()
-        return to_jsonable(obj.item() if obj.dim() == 0 else obj.tolist(), _loc)
-    if _is_numpy(obj) and hasattr(obj, "tolist"):
-        return to_jsonable(obj.tolist(), _loc)
-    if isinstance(obj, Mapping):
-        return {_json_key(k, _loc): to_jsonable(v, f"{_loc}.{k}") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v, f"{_loc}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, (set, frozenset)):
-        items = list(obj)
-        try:
-            items.sort()
-        except TypeError:
-            items.sort(key=repr)
-        return [to_jsonable(v, f"{_loc}[{i}]") for i, v in enumerate(items)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return to_jsonable(dataclasses.asdict(obj), _loc)
-    if isinstance(obj, enum.Enum):
-        return to_jsonable(obj.value, _loc)
-    if isinstance(obj, PurePath):
-        return str(obj)
-    raise TypeError(
-        f"write_json: object of type {type(obj).__name__} at {_loc} is not JSON serializable"
-    )
-
-
-def _atomic_write_text(text: str, path: str | os.PathLike) -> str:
-    """Write ``text`` to a temporary file next to ``path``, fsync, then ``os.replace``."""
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def write_json(obj: Any, path: str | os.PathLike, indent: int = 2) -> str:
-    """Serialize ``obj`` to strict JSON at ``path`` atomically.
-
-    The whole document is serialized in memory first (see :func:`to_jsonable`), then written
-    to a temporary file in the same directory and moved over ``path`` with ``os.replace``; a
-    failure at any point leaves a previous file at ``path`` untouched and no partial file.
-
-    Args:
-        obj: results (dicts, lists, NumPy/torch values, ...).
-        path: destination; parent directories are created.
-        indent: JSON indentation.
-
-    Returns:
-        ``path`` as a string.
-
-    Raises:
-        TypeError: if a value cannot be converted (the message names its type and location).
-    """
-    text = json.dumps(to_jsonable(obj), indent=indent, allow_nan=False, ensure_ascii=False) + "\n"
-    return _atomic_write_text(text, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,6 +106,26 @@ def _fmt(v: Any, digits: int = 2) -> str:
 def _int(v: Any) -> str:
     x = _num(v)
     return "–" if x is None else f"{int(round(x)):,}"
+
+
+def _mflops(v: Any) -> str:
+    x = _num(v)
+    return "–" if x is None else f"{x / 1e6:,.1f}"
+
+
+def _interval(ci: Any, se: Any) -> str:
+    """`` [lo–hi]`` of an interval in percent, else `` ± se`` (percentage points), else nothing."""
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_num(c) is not None for c in ci):
+        return f" [{100 * _num(ci[0]):.1f}–{100 * _num(ci[1]):.1f}]"
+    se = _num(se)
+    return "" if se is None else f" ± {100 * se:.1f}"
+
+
+def _pval(v: Any) -> str:
+    x = _num(v)
+    if x is None:
+        return "–"
+    return f"{x:.2g}" if x >= 1e-3 else f"{x:.1e}"
 
 
 def _md(s: Any) -> str:
@@ -246,11 +163,7 @@ def _get(d: Any, key: str) -> Any:
 
 def _models(results: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     models = _get(results, "models")
-    return (
-        {str(k): v for k, v in models.items() if isinstance(v, Mapping)}
-        if isinstance(models, Mapping)
-        else {}
-    )
+    return {str(k): v for k, v in models.items() if isinstance(v, Mapping)} if isinstance(models, Mapping) else {}
 
 
 def _tasks(models: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -304,9 +217,7 @@ def _levels_table(task: str, models: dict[str, Mapping[str, Any]]) -> list[str]:
 
     has_split = any(_get(_lookup(lv, lvl), "split") for lv in per_model.values() for lvl in levels)
     # (header, model, key, formatter): accuracies of all models side by side, then depth columns.
-    cols: list[tuple[str, str, str, Any]] = [
-        (f"acc ({name})", name, "accuracy", _pct) for name in per_model
-    ]
+    cols: list[tuple[str, str, str, Any]] = [(f"acc ({name})", name, "accuracy", _pct) for name in per_model]
     for name in per_model:
         if has(name, "mean_depth"):
             cols.append((f"d̄ ({name})", name, "mean_depth", _fmt))
@@ -314,6 +225,12 @@ def _levels_table(task: str, models: dict[str, Mapping[str, Any]]) -> list[str]:
             cols.append((f"d̄/D ({name})", name, "saving", _fmt))
         if has(name, "cost_exec"):
             cols.append((f"Cost_exec ({name})", name, "cost_exec", _int))
+    # compute per answer token, comparable across looped and plain models
+    for name in per_model:
+        if has(name, "layers_per_token"):
+            cols.append((f"layers/token ({name})", name, "layers_per_token", _fmt))
+        if has(name, "flops_per_token"):
+            cols.append((f"MFLOPs/token ({name})", name, "flops_per_token", _mflops))
     header = ["level"] + (["split"] if has_split else []) + ["n"] + [c[0] for c in cols]
     n_text = 2 if has_split else 1
     rows = []
@@ -326,9 +243,8 @@ def _levels_table(task: str, models: dict[str, Mapping[str, Any]]) -> list[str]:
         row.append(_int(n))
         for _, name, key, fmt in cols:
             cell = fmt(_get(entries[name], key))
-            se = _num(_get(entries[name], "accuracy_se")) if key == "accuracy" else None
-            if se is not None and cell != "–":
-                cell += f" ± {100 * se:.1f}"
+            if key == "accuracy" and cell != "–":
+                cell += _interval(_get(entries[name], "accuracy_ci"), _get(entries[name], "accuracy_se"))
             row.append(cell)
         rows.append(row)
     return ["### Accuracy and depth by difficulty level", ""] + _table(header, rows, n_text)
@@ -362,9 +278,7 @@ def _policies_table(task: str, models: dict[str, Mapping[str, Any]]) -> list[str
             )
     if not rows:
         return []
-    return ["### Exit policies", ""] + _table(
-        ["model", "policy", "accuracy", "d̄", "d̄/D"], rows, n_text=2
-    )
+    return ["### Exit policies", ""] + _table(["model", "policy", "accuracy", "d̄", "d̄/D"], rows, n_text=2)
 
 
 def _regressions(reg: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
@@ -392,9 +306,7 @@ def _correlation_section(task: str, models: dict[str, Mapping[str, Any]]) -> lis
             coefs = reg.get("coefficients") or {}
             for feat, b in coefs.items():
                 reg_rows.append([label, str(feat), _fmt(b, 3)])
-            fit_rows.append(
-                [label, _fmt(reg.get("r2"), 3), _fmt(reg.get("r2_controls"), 3), _int(reg.get("n"))]
-            )
+            fit_rows.append([label, _fmt(reg.get("r2"), 3), _fmt(reg.get("r2_controls"), 3), _int(reg.get("n"))])
     if reg_rows or fit_rows:
         out += ["**Linear regression of per-token depth on features**", ""]
         out += _table(["model", "feature", "coefficient"], reg_rows, n_text=2) if reg_rows else []
@@ -426,6 +338,93 @@ def _loss_change_section(task: str, models: dict[str, Mapping[str, Any]]) -> lis
     )
 
 
+def _comparison_rows(label: str, c: Mapping[str, Any]) -> list[str]:
+    boot = c.get("bootstrap") if isinstance(c.get("bootstrap"), Mapping) else {}
+    ci = boot.get("ci") or [None, None]
+    diff = _num(c.get("difference"))
+    return [
+        label,
+        _int(c.get("n")),
+        _pct(c.get("accuracy_a")),
+        _pct(c.get("accuracy_b")),
+        "–" if diff is None else f"{100 * diff:+.1f}",
+        _int(c.get("a_only")),
+        _int(c.get("b_only")),
+        _pval(c.get("mcnemar_p")),
+        "–" if _num(ci[0]) is None else f"[{100 * _num(ci[0]):+.1f}, {100 * _num(ci[1]):+.1f}]",
+        _pval(boot.get("p_value")),
+    ]
+
+
+def _comparisons_section(task: str, results: Mapping[str, Any]) -> list[str]:
+    comps = _get(_get(results, "comparisons"), task)
+    if not isinstance(comps, Mapping) or not comps:
+        return []
+    out = ["### Paired comparisons (same rows)", ""]
+    for other, comp in comps.items():
+        a, b = comp.get("a", "a"), comp.get("b", other)
+        rows = [_comparison_rows(str(lvl), c) for lvl, c in _sort_keys_items(_section(comp, "levels"))]
+        for key, label in (("train", "training levels"), ("held_out", "held-out levels"), ("all", "all rows")):
+            if isinstance(comp.get(key), Mapping):
+                rows.append(_comparison_rows(f"**{label}**", comp[key]))
+        out += [f"**{a} vs {b}** (difference = {a} − {b}, percentage points)", ""]
+        out += _table(
+            [
+                "level",
+                "n",
+                f"acc ({a})",
+                f"acc ({b})",
+                "difference",
+                f"only {a} right",
+                f"only {b} right",
+                "McNemar p",
+                "bootstrap 95% CI",
+                "bootstrap p",
+            ],
+            rows,
+        )
+    return out
+
+
+def _sort_keys_items(mapping: Mapping[Any, Any]) -> list[tuple[Any, Any]]:
+    return [(k, _lookup(mapping, k)) for k in _sort_keys(list(mapping))]
+
+
+def _token_difficulty_section(task: str, models: dict[str, Mapping[str, Any]]) -> list[str]:
+    rows = []
+    for name, m in models.items():
+        s = _section(_task(m, task), "token_difficulty")
+        if not s:
+            continue
+        easy, hard = s.get("easy") or {}, s.get("hard") or {}
+        share = " / ".join(_pct(x, 0) for x in (hard.get("depth_share") or []))
+        rows.append(
+            [
+                name,
+                str(s.get("reference", "")),
+                _int(s.get("n_tokens")),
+                _fmt(s.get("spearman"), 3),
+                _fmt(s.get("median_loss"), 3),
+                _fmt(easy.get("mean_depth")),
+                _fmt(hard.get("mean_depth")),
+                share,
+            ]
+        )
+    if not rows:
+        return []
+    return [
+        "### Per-token depth vs difficulty",
+        "",
+        "Difficulty of an answer token = the reference model's teacher-forced loss on it; depth = the looped "
+        "model's exit depth at the position that predicts it. Easy: loss at or below the median; hard: above.",
+        "",
+    ] + _table(
+        ["model", "reference", "tokens", "Spearman ρ", "median loss", "d̄ easy", "d̄ hard", "hard tokens per depth"],
+        rows,
+        n_text=2,
+    )
+
+
 def write_markdown_report(
     results: Mapping[str, Any],
     path: str | os.PathLike,
@@ -434,8 +433,9 @@ def write_markdown_report(
 ) -> str:
     """Write a readable Markdown report of ``results`` (schema in the module docstring).
 
-    Sections (each skipped when its data is missing): run configuration; per task: accuracy,
-    d̄, d̄/D and Cost_exec per level (one column per model); test-time scaling by forced depth;
+    Sections (each skipped when its data is missing): run configuration; per task: accuracy
+    (with its interval), d̄, d̄/D, Cost_exec and compute per answer token per level (one column per
+    model); paired comparisons; per-token depth vs difficulty; test-time scaling by forced depth;
     exit-policy comparison; Spearman correlations and regressions; first-vs-last loss change;
     finally the plots, embedded as images.
 
@@ -457,11 +457,7 @@ def write_markdown_report(
     if isinstance(config, Mapping) and config:
         lines += ["## Configuration", ""]
         for k, v in config.items():
-            val = (
-                v
-                if isinstance(v, (str, int, float, bool)) or v is None
-                else json.dumps(to_jsonable(v))
-            )
+            val = v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(to_jsonable(v))
             lines.append(f"- **{k}**: {val}")
         lines.append("")
     models = _models(results)
@@ -471,6 +467,8 @@ def write_markdown_report(
     for task in tasks:
         body = (
             _levels_table(task, models)
+            + _comparisons_section(task, results)
+            + _token_difficulty_section(task, models)
             + _scaling_table(task, models)
             + _policies_table(task, models)
             + _correlation_section(task, models)
@@ -487,7 +485,7 @@ def write_markdown_report(
                 p = os.path.relpath(os.path.abspath(p), report_dir)
             p = p.replace(os.sep, "/")
             lines += [f"### {caption}", "", f"![{caption}]({p.replace(' ', '%20')})", ""]
-    return _atomic_write_text("\n".join(lines).rstrip() + "\n", path)
+    return atomic_write_text("\n".join(lines).rstrip() + "\n", path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -498,8 +496,8 @@ def write_markdown_report(
 def summary_table(results: Mapping[str, Any], title: str = "Evaluation summary") -> Any:
     """A ``rich.table.Table`` with one row per (model, task, level).
 
-    Columns: model, task, level, n, accuracy, d̄, d̄/D. Print it with
-    ``rich.console.Console().print(summary_table(results))``.
+    Columns: model, task, level, n, accuracy (with its interval when present), d̄, d̄/D,
+    MFLOPs per answer token. Print it with ``rich.console.Console().print(summary_table(results))``.
     """
     from rich.table import Table
 
@@ -512,6 +510,7 @@ def summary_table(results: Mapping[str, Any], title: str = "Evaluation summary")
         ("accuracy", {"justify": "right"}),
         ("d̄", {"justify": "right"}),
         ("d̄/D", {"justify": "right"}),
+        ("MFLOPs/token", {"justify": "right"}),
     ):
         table.add_column(col, **kw)
     models = _models(results)
@@ -525,8 +524,10 @@ def summary_table(results: Mapping[str, Any], title: str = "Evaluation summary")
                     task,
                     str(lvl),
                     _int(_get(e, "n")),
-                    _pct(_get(e, "accuracy")),
+                    _pct(_get(e, "accuracy"))
+                    + (_interval(_get(e, "accuracy_ci"), None) if _num(_get(e, "accuracy")) is not None else ""),
                     _fmt(_get(e, "mean_depth")),
                     _fmt(_get(e, "saving")),
+                    _mflops(_get(e, "flops_per_token")),
                 )
     return table

@@ -1,0 +1,249 @@
+"""``retrofit eval``: flags, model loading and the entry point (the work: :func:`.runner.evaluate`).
+
+Example::
+
+    retrofit eval --model out/looped --compare smollm2 --task mano --levels 3,5,8,12,16,20 --n 50 --out eval/
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from . import analysis as A
+from .options import ACCURACY_MODES, DEFAULT_BATCH_SIZE, DEFAULT_N, GENERATION_BACKENDS, STRUCTURE_STRINGS, EvalOptions
+from .runner import as_list, evaluate
+
+__all__ = ["add_arguments", "run"]
+
+
+def _int_list(text: str) -> list[int]:
+    """``"3,4,8-10"`` -> ``[3, 4, 8, 9, 10]``."""
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)\s*-\s*(\d+)", part)
+        if m:
+            lo, hi = int(m.group(1)), int(m.group(2))
+            if hi < lo:
+                raise ValueError(f"empty range {part!r}")
+            out += list(range(lo, hi + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def _levels_arg(values: list[str] | None, what: str):
+    """``["3,4,8-10"]`` -> list for all tasks; ``["mano=3,4", "brevo=5"]`` -> ``{task: list}``."""
+    if not values:
+        return None
+    common: list[int] | None = None
+    per: dict[str, list[int]] = {}
+    for v in values:
+        try:
+            if "=" in v:
+                t, lv = v.split("=", 1)
+                per[t.strip()] = _int_list(lv)
+            else:
+                common = (common or []) + _int_list(v)
+        except ValueError as e:
+            raise ValueError(f"{what}: cannot parse {v!r} ({e}); use e.g. '3,4,8-12' or 'mano=3,4,8-12'") from None
+    if per and common is not None:
+        raise ValueError(f"{what}: use either one list for all tasks or TASK=LIST entries, not both")
+    return per if per else common
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``retrofit eval``."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "examples:\n"
+        "  retrofit eval --model out/looped --task mano --levels 3-8,12,16,20 --n 50 --out eval/\n"
+        "  retrofit eval --model out/looped --compare out/sft=sft smollm2=base --task mano,brevo --limit 40\n"
+        "  retrofit eval --model tiny-llama --task lano --levels lano=8,12 --n 5 --out /tmp/ev\n"
+        "Tasks: mano, brevo, lano, clrs_sorting, clrs_string_matching, clrs_max_subarray, clrs_bfs, gsm,\n"
+        "rg_chain_sum, rg_maze, rg_sudoku, rg_path_star (data_prep.tasks.TASKS)."
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint: a folder (looped or base), a .gguf, 'smollm2', 'tiny-llama', 'tiny-qwen3' or a hub id",
+    )
+    parser.add_argument(
+        "--task",
+        "--tasks",
+        dest="tasks",
+        action="append",
+        default=None,
+        help="task key(s), repeatable or comma-separated (default: mano)",
+    )
+    parser.add_argument(
+        "--levels",
+        action="append",
+        default=None,
+        help="difficulty levels, e.g. '3,4,8-12' for every task or 'mano=3,4' per task (repeatable); "
+        "default: the task's train + held-out levels",
+    )
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help=f"examples per level (default {DEFAULT_N})")
+    parser.add_argument("--seed", type=int, default=0, help="data seed (eval rows use a stream derived from it)")
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="at most this many examples per task, spread over the levels (quick look)",
+    )
+    parser.add_argument("--out", default="retrofit_eval", help="output folder (default ./retrofit_eval)")
+    parser.add_argument(
+        "--train-levels",
+        action="append",
+        default=None,
+        help="levels to mark as training levels, same syntax as --levels (default: the task's default_train_levels)",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        default=None,
+        metavar="MODEL[=NAME]",
+        help="models evaluated the same way on the same rows, side by side (controls, the untrained base): each a "
+        "checkpoint spec as for --model, optionally '=NAME' for its name in the report (default: its folder/file "
+        "name). --model is compared with each by paired tests.",
+    )
+    parser.add_argument("--name", default=None, help="name of --model in the report (default: its folder/file name)")
+    parser.add_argument("--compare-name", default=None, help="name of a single --compare model (same as MODEL=NAME)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help=_help("max_new_tokens"))
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help=_help("batch_size"))
+    parser.add_argument("--chat", action="store_true", help=_help("chat"))
+    parser.add_argument("--answer-sep", default=EvalOptions().answer_sep, help=_help("answer_sep"))
+    parser.add_argument("--alignment", choices=A.ALIGNMENTS, default=_default("alignment"), help=_help("alignment"))
+    parser.add_argument("--accuracy", choices=ACCURACY_MODES, default=_default("accuracy"), help=_help("accuracy"))
+    parser.add_argument(
+        "--structure-strings",
+        choices=STRUCTURE_STRINGS,
+        default=_default("structure_strings"),
+        help=_help("structure_strings"),
+    )
+    parser.add_argument(
+        "--no-forced-generation",
+        "--no-forced-depths",
+        dest="no_forced_depths",
+        action="store_true",
+        help="skip the forced-depth sweep 1..D (saves D passes)",
+    )
+    parser.add_argument(
+        "--no-exit-policies",
+        action="store_true",
+        help="skip " + _help("exit_policies")[0].lower() + _help("exit_policies")[1:],
+    )
+    parser.add_argument(
+        "--no-policy-generation", action="store_true", help="skip generating under the training-free exits"
+    )
+    parser.add_argument("--generation-backend", choices=GENERATION_BACKENDS, default="auto", help=_help("backend"))
+    parser.add_argument("--difficulty-reference", default=None, metavar="NAME", help=_help("difficulty_reference"))
+    parser.add_argument("--html-samples", type=int, default=2, help=_help("html_samples"))
+    parser.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', ...")
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="load dtype (default: as stored)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _help(name: str) -> str:
+    """The ``help`` of an ``EvalOptions`` field (one text for the API and the CLI)."""
+    return next(f.metadata["help"] for f in dataclasses.fields(EvalOptions) if f.name == name)
+
+
+def _default(name: str):
+    return next(f.default for f in dataclasses.fields(EvalOptions) if f.name == name)
+
+
+def _compare_specs(values: list[str] | None, compare_name: str | None) -> list[tuple[str, str]]:
+    """``["ckpt/sft=sft", "smollm2"]`` -> ``[("ckpt/sft", "sft"), ("smollm2", "smollm2")]``."""
+    specs = []
+    for v in values or []:
+        spec, sep, nm = v.rpartition("=")
+        if not sep or not nm or not spec:
+            spec, nm = v, _spec_name(v)
+        specs.append((spec, nm))
+    if compare_name is not None:
+        if len(specs) != 1:
+            raise ValueError("--compare-name names a single --compare model; use MODEL=NAME for several")
+        specs = [(specs[0][0], compare_name)]
+    return specs
+
+
+def _spec_name(spec: str) -> str:
+    p = Path(spec)
+    return p.stem if p.suffix == ".gguf" else (p.name or spec)
+
+
+def _load(spec: str, device: str, dtype):
+    from retrofit.loading import load_model
+
+    model, tok = load_model(spec, dtype=getattr(torch, dtype) if dtype else None)
+    return model.to(device).eval(), tok
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``retrofit eval``."""
+    from rich.console import Console
+
+    from .report import summary_table
+
+    console = Console(stderr=False)
+    try:
+        tasks = [t for v in (args.tasks or ["mano"]) for t in as_list(v)]
+        levels = _levels_arg(args.levels, "--levels")
+        train_levels = _levels_arg(args.train_levels, "--train-levels")
+        from data_prep.tasks import get_task
+
+        for t in tasks:
+            get_task(t)
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        name = args.name or _spec_name(args.model)
+        model, tok = _load(args.model, device, args.dtype)
+        compare = [
+            (nm, *_load(spec, device, args.dtype)) for spec, nm in _compare_specs(args.compare, args.compare_name)
+        ]
+        options = EvalOptions(
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            chat=args.chat,
+            answer_sep=args.answer_sep,
+            alignment=args.alignment,
+            forced_depths=not args.no_forced_depths,
+            exit_policies=not args.no_exit_policies,
+            policy_generation=not args.no_policy_generation,
+            html_samples=args.html_samples,
+            progress=not args.quiet,
+            backend=args.generation_backend,
+            difficulty_reference=args.difficulty_reference,
+            accuracy=args.accuracy,
+            structure_strings=args.structure_strings,
+        )
+        results = evaluate(
+            model,
+            tok,
+            tasks,
+            levels=levels,
+            n=args.n,
+            seed=args.seed,
+            out_dir=args.out,
+            name=name,
+            compare=compare or None,
+            limit=args.limit,
+            train_levels=train_levels,
+            options=options,
+            config={"model": args.model, "compare": args.compare, "device": device},
+        )
+    except (ValueError, OSError) as e:
+        print(f"retrofit eval: error: {e}", file=sys.stderr)
+        return 2
+    console.print(summary_table(results, title=f"retrofit eval → {args.out}"))
+    console.print(f"wrote {args.out}/results.json, report.md, samples.html and the plots")
+    return 0

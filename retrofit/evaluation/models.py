@@ -1,0 +1,143 @@
+"""What the evaluation needs to know about a model, and the batching helpers every pass shares.
+
+A model is either a ``LoopedForCausalLM`` (depth statistics, forced depths, exit policies) or a
+plain causal LM evaluated at its only depth (``max_depth`` 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .metrics import flops_ratio
+
+__all__ = [
+    "ModelInfo",
+    "batches",
+    "device",
+    "flops_per_token",
+    "forward",
+    "model_info",
+    "pad_id",
+    "pad_left",
+    "progress_bar",
+]
+
+
+@dataclass
+class ModelInfo:
+    """Shape facts of a model under evaluation.
+
+    Attributes:
+        looped: a ``LoopedForCausalLM``.
+        max_depth: D (1 for a plain model).
+        method: halting method name (None for a plain model).
+        n_layers: decoder layers of the stack.
+        prelude, core, coda: layer counts of the three ranges (a plain model: 0, n_layers, 0).
+    """
+
+    looped: bool
+    max_depth: int
+    method: str | None
+    n_layers: int
+    prelude: int
+    core: int
+    coda: int
+
+    @property
+    def has_decider(self) -> bool:
+        return self.looped and self.method != "fixed"
+
+    def layers(self, mean_depth: float) -> float:
+        """Decoder-layer passes per token at mean core depth ``mean_depth`` (``flops_ratio``)."""
+        return flops_ratio(mean_depth, self.max_depth, self.n_layers, self.prelude, self.core, self.coda)[
+            "layers_adaptive"
+        ]
+
+
+def model_info(model) -> ModelInfo:
+    """The :class:`ModelInfo` of a looped or plain causal LM."""
+    from retrofit.modeling import LoopedForCausalLM
+
+    cfg = model.config
+    n_layers = int(
+        cfg.get_text_config().num_hidden_layers if hasattr(cfg, "get_text_config") else cfg.num_hidden_layers
+    )
+    if isinstance(model, LoopedForCausalLM):
+        loop = model.loop
+        pre, core, coda = loop.layer_ranges(n_layers)
+        return ModelInfo(True, loop.max_depth, loop.method, n_layers, len(pre), len(core), len(coda))
+    return ModelInfo(False, 1, None, n_layers, 0, n_layers, 0)
+
+
+def device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def forward(model, info: ModelInfo, ids, mask, **kw):
+    """One full-sequence forward with explicit positions (left padding) and no KV cache.
+
+    Looped-only keywords (``depth``, ``exit_policy``, ...) are dropped for a plain model.
+    """
+    pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    if not info.looped:
+        kw = {k: v for k, v in kw.items() if k == "logits_to_keep"}
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **kw)
+
+
+def pad_left(seqs: Sequence[Sequence[int]], pad: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists: ``(ids [B, T], mask [B, T])``."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, L - len(s) :] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[i, L - len(s) :] = 1
+    return ids.to(dev), mask.to(dev)
+
+
+def pad_id(tokenizer) -> int:
+    """The padding id: the tokenizer's pad token, else EOS, else 0."""
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    if tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    return 0
+
+
+def batches(order: Sequence[int], size: int):
+    """Consecutive chunks of ``order`` of at most ``size`` indices."""
+    for i in range(0, len(order), size):
+        yield list(order[i : i + size])
+
+
+def progress_bar(iterable, enabled: bool, **kw):
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, disable=not enabled, leave=False, dynamic_ncols=True, **kw)
+
+
+def flops_per_token(model, info: ModelInfo, depths) -> float:
+    """Matmul FLOPs per token at the given exit depths (mean over them).
+
+    Looped models: ``retrofit.flops.cost_report`` (decoder layers, updater, decider, LM head as
+    the method runs them). Plain models: every decoder layer and the LM head once per token. Both
+    count 2 FLOPs per multiply-add of every linear map and leave out attention scores, which grow
+    with context length (a few percent of a layer at these lengths).
+
+    Args:
+        depths: ``[n]`` exit depths (ignored for a plain model).
+    """
+    if info.looped:
+        from retrofit.flops import cost_report
+
+        d = torch.as_tensor(depths).reshape(-1).long()
+        if d.numel() == 0:
+            return float("nan")
+        rep = cost_report(model, d)
+        return float(rep["flops"]) / rep["n_tokens"]
+    layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    return 2.0 * float(layers + model.get_output_embeddings().weight.numel())

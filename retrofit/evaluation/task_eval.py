@@ -1,0 +1,475 @@
+"""Evaluate one model on one task: accuracy, depth and compute per difficulty level.
+
+What is measured (options: :class:`~retrofit.evaluation.options.EvalOptions`):
+
+* **Accuracy** per level, with ``accuracy="generate"``: the task's scorer (``Task.score``) on
+  greedy generation (:mod:`~retrofit.evaluation.decoding`: stop at EOS or a newline token, budget
+  the longest gold answer + 2 tokens); with ``"teacher_forced_argmax"``: whether greedy decoding
+  would emit exactly the gold answer and a stop token, read from the teacher-forced forward
+  (:func:`~retrofit.evaluation.teacher_forced.argmax_pass`; no generation). The same at every
+  forced depth ``1 … D`` (the test-time scaling curve, ``forced_depth_accuracy``).
+  ``gen_mean_depth`` is the mean depth of the decoding steps (the generated tokens' producing
+  steps; teacher-forced: the steps that produce the gold answer and its stop token).
+* **Depth** (teacher-forced, :mod:`~retrofit.evaluation.teacher_forced`): the level ``mean_depth``
+  d̄, ``cost_exec`` (Σ_d |A_d|) and ``saving`` (d̄ / D) over the gold answer's content tokens
+  (whitespace-only tokens excluded), E[d], next-token ``token_accuracy``, the LANO Spearman and
+  BREVO regression, and — from the depth-D forward — per-depth token accuracy, the
+  first-vs-last depth loss change and the exit-policy comparison (:mod:`~retrofit.evaluation.policies`).
+
+A plain (non-looped) model is evaluated at its only depth (D = 1): accuracy, token accuracy and
+layer counts, no depth statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import analysis as A
+from .decoding import greedy_generate, stop_rule
+from .metrics import accuracy_by_level, cost_exec, flops_ratio, loss_change_stats, spearman
+from .models import flops_per_token, model_info, pad_id
+from .options import DEFAULT_N, EvalOptions, resolve_options
+from .policies import cat, exit_policies, mean, seq_acc
+from .rows import prepare, split_of, task_rows
+from .stats import wilson_interval
+from .structure import generated_examples
+from .teacher_forced import argmax_pass, teacher_forced
+
+__all__ = ["TaskArrays", "evaluate_task", "evaluate_task_arrays"]
+
+
+@dataclass
+class TaskArrays:
+    """Per-example arrays of one model on one task, for comparisons across models (same row order).
+
+    Attributes:
+        levels: ``[N]`` each row's difficulty level.
+        correct: ``[N]`` bool, the row's accuracy outcome.
+        answer_ids: per example, the gold answer tokens ``[m]``.
+        content: per example, ``[m]`` bool (non-whitespace answer tokens).
+        nll: per example, ``[m]`` teacher-forced loss of each answer token (producing position).
+        pred_depth: per example, ``[m]`` exit depth of the producing position (looped models) or None.
+        max_depth: D.
+    """
+
+    levels: list
+    correct: np.ndarray
+    answer_ids: list[list[int]]
+    content: list[np.ndarray]
+    nll: list[np.ndarray]
+    pred_depth: list[np.ndarray] | None
+    max_depth: int
+
+
+def evaluate_task(
+    model,
+    tokenizer,
+    task,
+    levels=None,
+    n: int = DEFAULT_N,
+    seed: int = 0,
+    *,
+    rows=None,
+    limit: int | None = None,
+    train_levels=None,
+    exit_target_depth: float | None = None,
+    name: str = "model",
+    options: EvalOptions | None = None,
+    **option_overrides,
+) -> dict[str, Any]:
+    """Evaluate one model on one task (what is measured: module docstring).
+
+    Args:
+        model: looped or plain causal LM (put in eval mode here, its mode restored after).
+        tokenizer: its tokenizer.
+        task: registry key (``data_prep.tasks.TASKS``) or Task.
+        levels: difficulty levels; default the task's default levels.
+        n: examples per level.
+        seed: data seed.
+        rows: evaluate these rows instead of generating (a ``datasets.Dataset`` or dicts with
+            ``prompt``, ``answer``, ``difficulty`` and, for BREVO/LANO, ``token_features``).
+        limit: cap on the rows (quick looks; :func:`~retrofit.evaluation.rows.task_rows`).
+        train_levels: levels marked as training levels; default ``task.default_train_levels``.
+        exit_target_depth: d̄ the exit policies are calibrated to; default the decider's d̄.
+        name: model name used in sample titles.
+        options: an :class:`EvalOptions` (default ``EvalOptions()``).
+        **option_overrides: fields of ``EvalOptions`` to override (e.g. ``batch_size=4``).
+
+    Returns:
+        The per-task entry of the results schema (:mod:`retrofit.evaluation.report`) plus
+        ``knob``, ``method``, ``train_levels``, ``overall``, ``forced_depth_token_accuracy``,
+        ``samples`` (for ``samples.html``) and ``notes``.
+    """
+    return evaluate_task_arrays(
+        model,
+        tokenizer,
+        task,
+        levels,
+        n,
+        seed,
+        rows=rows,
+        limit=limit,
+        train_levels=train_levels,
+        exit_target_depth=exit_target_depth,
+        name=name,
+        options=options,
+        **option_overrides,
+    )[0]
+
+
+def evaluate_task_arrays(
+    model,
+    tokenizer,
+    task,
+    levels=None,
+    n: int = DEFAULT_N,
+    seed: int = 0,
+    *,
+    rows=None,
+    limit=None,
+    train_levels=None,
+    exit_target_depth=None,
+    name: str = "model",
+    options: EvalOptions | None = None,
+    **option_overrides,
+) -> tuple[dict[str, Any], TaskArrays]:
+    """:func:`evaluate_task` that also returns the per-example :class:`TaskArrays`."""
+    from data_prep.tasks import get_task
+
+    opts = resolve_options(options, option_overrides)
+    task = get_task(task)
+    train = list(task.default_train_levels if train_levels is None else train_levels)
+    if rows is None:
+        rows = task_rows(task, levels, n, seed, limit)
+    else:
+        import datasets
+
+        rows = rows.to_list() if isinstance(rows, datasets.Dataset) else list(rows)
+    if not rows:
+        raise ValueError(f"{task.name}: no rows to evaluate")
+    was_training = model.training
+    model.eval()
+    try:
+        return _evaluate_task(model, tokenizer, task, rows, train, opts, exit_target_depth, name)
+    finally:
+        model.train(was_training)
+
+
+def _token_texts(tokenizer, ids) -> list[str]:
+    return [tokenizer.decode([int(t)]) for t in ids]
+
+
+def _evaluate_task(
+    model, tokenizer, task, rows, train, opts: EvalOptions, exit_target_depth, name
+) -> tuple[dict[str, Any], TaskArrays]:
+    info = model_info(model)
+    D = info.max_depth
+    pad = pad_id(tokenizer)
+    examples = prepare(rows, tokenizer, opts)
+    notes: list[str] = []
+    max_new = opts.max_new_tokens or max(len(e.answer_ids) for e in examples) + 2
+    prompts = [e.prompt_ids for e in examples]
+    tag = f"{name}/{task.name}"
+    levels_sorted = sorted({e.level for e in examples})
+
+    is_stop = stop_rule(model, tokenizer)
+    tf_mode = opts.accuracy == "teacher_forced_argmax"
+
+    def generate(desc, **kw):
+        # producing-step depths ("predict"): what decoding computes, for compute and samples.html
+        return greedy_generate(
+            model,
+            tokenizer,
+            prompts,
+            max_new,
+            batch_size=opts.batch_size,
+            alignment="predict",
+            backend=opts.backend,
+            progress=opts.progress,
+            desc=f"{tag} {desc}",
+            **kw,
+        )
+
+    def score(gens) -> np.ndarray:
+        return np.array(
+            [task.score(g["text"], e.row["answer"], prompt=e.row["prompt"]) for g, e in zip(gens, examples)], dtype=bool
+        )
+
+    def outcomes(desc, **kw) -> tuple[np.ndarray, list[np.ndarray], list[dict] | None]:
+        """Per row: correct, and the depths of the decoding steps; plus the generations ('generate' mode)."""
+        if tf_mode:
+            res = (
+                tf if not kw else argmax_pass(model, info, examples, pad, opts, is_stop, max_new, f"{tag} {desc}", **kw)
+            )
+            return np.array([r["row_correct"] for r in res], dtype=bool), [r["step_depths"] for r in res], None
+        gens = generate(desc, **kw)
+        return score(gens), [np.asarray(g["depths"], dtype=np.int64) for g in gens], gens
+
+    def gen_depths(steps) -> np.ndarray:
+        return np.concatenate([np.asarray(x, dtype=np.int64) for x in steps]) if steps else np.zeros(0, np.int64)
+
+    def ci(c: np.ndarray) -> list[float]:
+        return list(wilson_interval(int(c.sum()), int(c.size), opts.confidence))
+
+    compute_points: list[dict[str, Any]] = []
+
+    def point(label, c: np.ndarray, depths) -> None:
+        """A point of the accuracy-vs-compute plot: compute per generated token at these depths."""
+        depths = np.asarray(depths, dtype=np.int64)
+        if info.looped and depths.size == 0:
+            return
+        d_mean = float(depths.mean()) if info.looped else 1.0
+        compute_points.append(
+            {
+                "label": label,
+                "accuracy": float(c.mean()),
+                "accuracy_ci": ci(c),
+                "mean_depth": d_mean if info.looped else None,
+                "layers_per_token": info.layers(d_mean),
+                "flops_per_token": flops_per_token(model, info, depths),
+            }
+        )
+
+    # --- accuracy with the model's own exits, and the teacher-forced pass -------------------------
+    tf = teacher_forced(
+        model,
+        info,
+        examples,
+        pad,
+        opts,
+        f"{tag} teacher-forced",
+        per_depth=opts.exit_policies,
+        is_stop=is_stop if tf_mode else None,
+        max_new_tokens=max_new,
+    )
+    correct, steps, gens = outcomes("generate")
+
+    # --- per level ----------------------------------------------------------------------------
+    by_level = accuracy_by_level([{"level": e.level, "correct": bool(c)} for e, c in zip(examples, correct)])
+    level_entries: dict[Any, dict[str, Any]] = {}
+    for lvl in levels_sorted:
+        idx = [i for i, e in enumerate(examples) if e.level == lvl]
+        exs = [examples[i] for i in idx]
+        tfs = [tf[i] for i in idx]
+        entry = {
+            "n": by_level[lvl]["n"],
+            "accuracy": by_level[lvl]["accuracy"],
+            "accuracy_se": by_level[lvl]["accuracy_se"],
+            "accuracy_ci": ci(correct[idx]),
+            "split": split_of(lvl, train),
+            "token_accuracy": mean(cat(tfs, "correct", exs)),
+            "sequence_accuracy_tf": seq_acc([t["correct"][e.content] for t, e in zip(tfs, exs)]),
+        }
+        if info.looped:
+            depths = cat(tfs, "tok_depth", exs)
+            c = cost_exec(depths, max_depth=D)
+            per_ex = [float(t["tok_depth"][e.content].mean()) for t, e in zip(tfs, exs)]
+            entry.update(
+                mean_depth=c["mean_depth"],
+                mean_depth_se=float(np.std(per_ex, ddof=1) / math.sqrt(len(per_ex)))
+                if len(per_ex) > 1
+                else float("nan"),
+                cost_exec=c["cost_exec"],
+                saving=c["saving"],
+                depth_histogram=c["depth_histogram"],
+                expected_depth=mean(cat(tfs, "tok_exp_depth", exs)),
+                gen_mean_depth=mean(gen_depths([steps[i] for i in idx])),
+                layers_per_token=info.layers(c["mean_depth"]),
+                flops_per_token=flops_per_token(model, info, depths),
+            )
+        else:
+            entry.update(layers_per_token=float(info.n_layers), flops_per_token=flops_per_token(model, info, []))
+        level_entries[lvl] = entry
+
+    result: dict[str, Any] = {
+        "knob": task.knob,
+        "description": task.description,
+        "max_depth": D,
+        "method": info.method,
+        "looped": info.looped,
+        "alignment": opts.alignment,
+        "train_levels": train,
+        "levels": level_entries,
+    }
+
+    # --- training vs held-out levels, pooled ------------------------------------------------------
+    is_train = np.array([split_of(e.level, train) == "train" for e in examples], dtype=bool)
+    result["splits"] = {
+        name: {
+            "levels": [lv for lv in levels_sorted if (split_of(lv, train) == "train") == want],
+            "n": int(mask.sum()),
+            "accuracy": float(correct[mask].mean()),
+            "accuracy_ci": ci(correct[mask]),
+        }
+        for name, want, mask in (("train", True, is_train), ("held_out", False, ~is_train))
+        if mask.any()
+    }
+
+    # --- overall, compute ----------------------------------------------------------------------
+    overall: dict[str, Any] = {
+        "n": len(examples),
+        "accuracy": float(correct.mean()),
+        "accuracy_ci": ci(correct),
+        "token_accuracy": mean(cat(tf, "correct", examples)),
+        "layers_base": float(info.n_layers),
+    }
+    if info.looped:
+        depths = cat(tf, "tok_depth", examples)
+        c = cost_exec(depths, max_depth=D)
+        gd = mean(gen_depths(steps))
+        overall.update(
+            mean_depth=c["mean_depth"],
+            saving=c["saving"],
+            cost_exec=c["cost_exec"],
+            expected_depth=mean(cat(tf, "tok_exp_depth", examples)),
+            gen_mean_depth=gd,
+            flops=flops_ratio(c["mean_depth"], D, info.n_layers, info.prelude, info.core, info.coda),
+            gen_layers_per_token=info.layers(gd) if math.isfinite(gd) else float("nan"),
+            layers_per_token=info.layers(c["mean_depth"]),
+            flops_per_token=flops_per_token(model, info, depths),
+        )
+    else:
+        overall.update(
+            gen_layers_per_token=float(info.n_layers),
+            layers_per_token=float(info.n_layers),
+            flops_per_token=flops_per_token(model, info, []),
+        )
+    if info.looped and len(levels_sorted) > 1:
+        # does depth follow difficulty? rank correlation of each example's mean answer depth
+        # (teacher-forced exit depths) with its difficulty level
+        ex_depth = [float(t["tok_depth"][e.content].mean()) for t, e in zip(tf, examples)]
+        overall["depth_difficulty_spearman"] = spearman([e.level for e in examples], ex_depth)
+    result["overall"] = overall
+
+    # --- forced depths (test-time scaling) -------------------------------------------------------
+    if info.looped:
+        if opts.forced_depths:
+            forced_acc: dict[int, float] = {}
+            forced_by_level: dict[int, dict[Any, float]] = {}
+            for d in range(1, D + 1):
+                c_d, _, _ = outcomes(f"depth {d}", depth=d)
+                forced_acc[d] = float(c_d.mean())
+                forced_by_level[d] = {
+                    lvl: float(np.mean([c for c, e in zip(c_d, examples) if e.level == lvl])) for lvl in levels_sorted
+                }
+                point(d, c_d, [d])
+            result["forced_depth_accuracy"] = forced_acc
+            result["forced_depth_accuracy_by_level"] = forced_by_level
+            for lvl in levels_sorted:
+                level_entries[lvl]["forced_accuracy"] = {d: forced_by_level[d][lvl] for d in forced_by_level}
+        point("adaptive", correct, gen_depths(steps))
+    else:
+        point("plain", correct, [])
+
+    if info.looped and D > 1 and opts.exit_policies:
+        result["forced_depth_token_accuracy"] = {
+            d: mean(cat(tf, "correct_d", examples)[:, d - 1]) for d in range(1, D + 1)
+        }
+        # --- loss change, first vs last depth (TaH2 §3) ------------------------------------------
+        nll = cat(tf, "nll_d", examples)
+        result["loss_change"] = loss_change_stats(nll[:, 0], nll[:, D - 1])
+
+        def generate_accuracy(**kw):
+            c_g, s_g, _ = outcomes(f"{kw['exit_policy']} exit", **kw)
+            point(kw["exit_policy"], c_g, gen_depths(s_g))
+            return float(c_g.mean()), mean(gen_depths(s_g))
+
+        result["exit_policies"] = exit_policies(
+            model,
+            info,
+            examples,
+            tf,
+            float(correct.mean()),
+            overall["gen_mean_depth"],
+            pad,
+            opts,
+            exit_target_depth,
+            generate_accuracy if opts.policy_generation else None,
+            notes,
+        )
+    elif info.looped and D == 1:
+        notes.append("max_depth = 1: no forced-depth sweep, loss change or exit policies")
+
+    # --- depth vs difficulty features ----------------------------------------------------------
+    if info.looped and task.name in ("lano", "brevo"):
+        if opts.structure_strings == "generated":
+            if gens is None:  # teacher-forced accuracy: these analyses still need the model's own strings
+                gens = generate("generate (own strings)")
+            s_examples, stats = generated_examples(task.name, examples, gens, tokenizer, is_stop)
+            s_tf = teacher_forced(model, info, s_examples, pad, opts, f"{tag} own strings", per_depth=False)
+            result["structure_strings"] = {"strings": "generated", **stats}
+        else:
+            s_examples, s_tf = examples, tf
+            result["structure_strings"] = {"strings": "gold", "rows": len(examples)}
+        _structure_analysis(task, s_examples, s_tf, result, notes)
+
+    result["compute_points"] = compute_points
+
+    # --- samples for samples.html ------------------------------------------------------------
+    samples = []
+    for lvl in levels_sorted:
+        idx = [i for i, e in enumerate(examples) if e.level == lvl][: opts.html_samples]
+        for i in idx:
+            e = examples[i]
+            if gens is not None:
+                shown, what = gens[i]["ids"], f"generated {gens[i]['text'].strip()!r}"
+            else:
+                shown, what = e.answer_ids, "teacher-forced gold, greedy output == gold + stop:"
+            samples.append(
+                {
+                    "title": (
+                        f"{name} · {task.name} {task.knob}={lvl} · gold {e.row['answer']!r} · "
+                        f"{what} {'correct' if correct[i] else 'wrong'}"
+                    ),
+                    "tokens": _token_texts(tokenizer, e.prompt_ids) + _token_texts(tokenizer, shown),
+                    "depths": [0] * len(e.prompt_ids) + [int(x) for x in steps[i][: len(shown)]],
+                    "max_depth": D,
+                }
+            )
+    result["samples"] = samples
+    result["notes"] = notes
+    arrays = TaskArrays(
+        levels=[e.level for e in examples],
+        correct=correct,
+        answer_ids=[list(e.answer_ids) for e in examples],
+        content=[e.content for e in examples],
+        nll=[t["nll"] for t in tf],
+        pred_depth=[t["pred_depth"] for t in tf] if info.looped else None,
+        max_depth=D,
+    )
+    return result, arrays
+
+
+def _structure_analysis(task, examples, tf, result, notes) -> None:
+    """LANO Spearman / BREVO regression of per-word depth on the task's per-word features."""
+    if not examples:
+        notes.append(f"{task.name}: no row has a valid word to analyse; correlation analysis skipped")
+        return
+    key = "tok_exp_depth" if task.name == "lano" else "tok_depth"
+    word_depths = [A.word_values(t[key], e.first_tok) for t, e in zip(tf, examples)]
+    feats = [e.features for e in examples]
+    if any(f is None for f in feats):
+        notes.append(f"{task.name}: rows without token_features; correlation analysis skipped")
+        return
+    if task.name == "lano":
+        # ANIRA Table 1 correlates the per-token EXPECTED depth with the parser proxies; chart_edges
+        # (the parser's edge count) is shown next to them
+        proxies = A.LANO_PROXIES + tuple(k for k in ("chart_edges",) if all(k in f for fs in feats for f in fs))
+        result["spearman"] = A.lano_spearman(word_depths, feats, proxies)
+    else:
+        regs = {}
+        for label, k in (("exit_depth", "tok_depth"), ("expected_depth", "tok_exp_depth")):
+            wd = [A.word_values(t[k], e.first_tok) for t, e in zip(tf, examples)]
+            try:
+                regs[label] = A.brevo_regression(wd, feats, [e.level for e in examples])
+            except ValueError as err:
+                notes.append(f"brevo regression on {label} skipped: {err}")
+        if regs:
+            result["regression"] = regs
+    n_unaligned = sum(int((e.first_tok < 0).sum()) for e in examples)
+    if n_unaligned:
+        notes.append(f"{n_unaligned} answer words share a token with the previous word and were dropped")
