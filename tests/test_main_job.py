@@ -1,8 +1,10 @@
-"""The main job (issue 7) end to end on the embedded SmolLM2-135M-Instruct, with a tiny budget.
+"""The main job (issue 15) end to end on the embedded SmolLM2-135M-Instruct, with a tiny budget.
 
-Runs the README's command with overrides that keep it to a few minutes: 2 optimizer steps and a
-couple of evaluation rows per level. Asserts the artifacts exist and that, before training, the
-looped model's depth-1 logits equal the base model's.
+Runs README's command with overrides that keep it to a few minutes: 2 optimizer steps per arm and three
+test rows per level. Asserts the looped arm, the same-budget SFT control and the untrained base are all
+in ``summary.json`` with the figures README quotes (per-level accuracy with Wilson intervals, d̄, compute,
+the paired test, both Spearman figures, the three targets), that identity holds at init, and that the
+artifacts exist.
 """
 
 import json
@@ -26,28 +28,41 @@ def test_main_job_tiny_budget(tmp_path):
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch" / "cpu.yaml"),
         str(ROOT / "recipes" / "tah2_llama.py"),
-        "--output_dir", str(out), "--max_steps", "2", "--n_train", "16", "--n_eval", "2", "--eval_n", "2",
+        "--output_dir", str(out), "--max_steps", "2", "--n_train", "8", "--n_eval", "3", "--eval_n", "3",
         "--save_steps", "100", "--report_to", "none", "--logging_steps", "1",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "main job: clrs_sorting" in proc.stdout
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["identity_at_init_max_abs_diff"] <= 1e-5
-    assert set(summary["levels"]) == {"1", "2", "3", "4"}
-    for lv in summary["levels"].values():
-        assert 0.0 <= lv["looped_accuracy"] <= 1.0 and 0.0 <= lv["base_accuracy"] <= 1.0
-        assert 1.0 <= lv["looped_mean_depth"] <= 2.0
+    assert summary["models"] == ["looped", "sft", "base"]
+    assert set(summary["levels"]) == {"4", "5", "6", "8"}
+    for lv, row in summary["levels"].items():
+        assert row["split"] == ("held_out" if lv == "8" else "train")
+        for m in ("looped", "sft", "base"):
+            entry = row[m]
+            assert entry["n"] == 3 and 0.0 <= entry["accuracy"] <= 1.0
+            lo, hi = entry["accuracy_ci"]
+            assert 0.0 <= lo <= entry["accuracy"] <= hi <= 1.0
+            assert entry["flops_per_token"] > 0
+        assert 1.0 <= row["looped"]["mean_depth"] <= 2.0
+    for other in ("sft", "base"):
+        test = summary["paired_tests"][other]["all"]
+        assert test["n"] == 12 and 0.0 <= test["mcnemar_p"] <= 1.0
+    assert "spearman_depth_vs_level" in summary and "spearman_token_depth_vs_control_loss" in summary
+    assert set(summary["targets"]) == {"control_learns", "looped_beats_control", "depth_follows_difficulty"}
+    assert all(isinstance(t["met"], bool) for t in summary["targets"].values())
     assert summary["peak_rss_mb"] > 0
 
-    assert (out / "final" / "model.safetensors").exists()
+    assert (out / "control-sft" / "final" / "config.json").exists()
+    assert json.loads((out / "control-sft" / "final" / "config.json").read_text())["model_type"] == "llama"
+    assert (out / "final-merged" / "model.safetensors").exists()  # LoRA preset: adapters merged
     cfg = json.loads((out / "export" / "config.json").read_text())
     assert "AutoModelForCausalLM" in cfg["auto_map"]
     assert (out / "export" / "README.md").read_text().startswith("---")
-    report = out / "report"
-    for name in ("results.json", "report.md", "samples.html", "mano_depth_vs_difficulty.png",
-                 "mano_accuracy_vs_difficulty.png", "mano_accuracy_vs_compute.png", "mano_loss_change.png"):
-        assert (report / name).stat().st_size > 0, name
-    results = json.loads((report / "results.json").read_text())
-    assert set(results["models"]) == {"looped", "base"}
+    results = json.loads((out / "report" / "results.json").read_text())
+    assert set(results["models"]) == {"looped", "sft", "base"}
+    assert (out / "report" / "report.md").stat().st_size > 0
