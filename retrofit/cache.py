@@ -24,10 +24,10 @@ sees, for each earlier (or same) position ``s``,
   ``< m`` marked ``last`` (``s`` exited there). The query's own earlier depths are not ``last``,
   hence invisible.
 
-The decode path (``retrofit.generation``) drives the cache: per step it calls ``begin_step``, for
-each depth ``core.begin_depth`` (slot planning + mask), hands the sub-stores to the base decoder
-layers as their ``cache`` argument (they call ``update`` like on any transformers cache), marks
-exits with ``core.mark_last``, and closes with ``end_step``.
+The decode backend (``retrofit.backends.CachedStep``) drives the cache: per step it calls
+``begin_step``, for each depth ``core.begin_depth`` (slot planning + mask), hands the sub-stores to
+the base decoder layers as their ``cache`` argument (they call ``update`` like on any transformers
+cache), marks exits with ``core.mark_last``, and closes with ``end_step``.
 """
 
 from __future__ import annotations
@@ -50,72 +50,6 @@ def _grow(t: torch.Tensor | None, cap: int, dim: int, fill=0) -> torch.Tensor | 
 def _new_cap(needed: int, cap: int) -> int:
     # doubling keeps appends amortized O(1); small models start at 64 slots
     return max(needed, 2 * cap, 64)
-
-
-class _Pack:
-    """Which tokens of a step run a depth, and where they sit in the packed sub-batch.
-
-    The active tokens of row ``b`` are packed to the left of packed row ``r`` (``rows[r] = b``), in
-    sequence order; rows without active tokens are dropped. With one token per row (decoding) this
-    is a row selection.
-
-    Attributes:
-        flat: ``[N]`` flat indices ``b * Tn + t`` of the active tokens.
-        src_b, src_t: ``[N]`` their row and in-step position.
-        dst_r, dst_i: ``[N]`` their packed row and packed position.
-        rows: ``[B']`` rows present, or None when all ``B`` rows are present in order.
-        n_max: packed length; full: every token of every row is active (no gather needed).
-    """
-
-    def __init__(self, act: torch.Tensor):
-        B, Tn = act.shape
-        self.B, self.Tn = B, Tn
-        counts = act.sum(1)  # [B]
-        self.counts = counts
-        self.full = bool(act.all())
-        dev = act.device
-        if self.full:
-            self.N = B * Tn
-            self.flat = torch.arange(self.N, device=dev)
-            self.src_b = self.flat // Tn
-            self.src_t = self.flat % Tn
-            self.dst_r, self.dst_i = self.src_b, self.src_t
-            self.rows = None
-            self.n_rows = B
-            self.n_max = Tn
-            self.rank = self.src_t
-            return
-        flat = act.reshape(-1).nonzero().squeeze(1)
-        self.flat = flat
-        self.N = int(flat.numel())
-        self.src_b = flat // Tn
-        self.src_t = flat % Tn
-        present = counts > 0
-        rows = present.nonzero().squeeze(1)
-        self.n_rows = int(rows.numel())
-        row_of = torch.cumsum(present.long(), 0) - 1  # row b -> packed row
-        self.rank = (act.long().cumsum(1) - 1).reshape(-1)[flat]  # position among the row's active tokens
-        self.dst_r = row_of[self.src_b]
-        self.dst_i = self.rank
-        self.rows = None if self.n_rows == B else rows
-        self.n_max = int(counts.max()) if self.N else 0
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, Tn, ...]`` -> packed ``[B', n_max, ...]`` (unused slots are zeros)."""
-        if self.full:
-            return x
-        flat = x.reshape(self.B * self.Tn, *x.shape[2:])[self.flat]
-        if self.Tn == 1:
-            return flat.unsqueeze(1)
-        out = x.new_zeros(self.n_rows, self.n_max, *x.shape[2:])
-        out[self.dst_r, self.dst_i] = flat
-        return out
-
-    def take(self, packed: torch.Tensor) -> torch.Tensor:
-        """Packed ``[B', n_max, ...]`` -> ``[N, ...]`` values of the active tokens (order of ``flat``)."""
-        if self.full or self.Tn == 1:
-            return packed.reshape(self.N, *packed.shape[2:])
-        return packed[self.dst_r, self.dst_i]
 
 
 class DenseKV:
@@ -261,12 +195,12 @@ class TaggedKV:
                     bufs[i] = new
             self.total = total
 
-    def begin_depth(self, d: int, pack: _Pack, seq0: int, dtype: torch.dtype) -> torch.Tensor:
+    def begin_depth(self, d: int, pack, seq0: int, dtype: torch.dtype) -> torch.Tensor:
         """Reserve slots for the active tokens at depth ``d`` and build their attention mask.
 
         Args:
             d: depth (1-based).
-            pack: the active tokens (``_Pack``).
+            pack: the active tokens (``retrofit.loop.Pack``).
             seq0: sequence index of the step's first token.
             dtype: mask dtype.
 
@@ -522,7 +456,7 @@ class DepthKVCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         raise RuntimeError(
-            "DepthKVCache is written by LoopedForCausalLM's decode path (retrofit.generation); "
+            "DepthKVCache is written by LoopedForCausalLM's decode path (retrofit.backends.CachedStep); "
             "it cannot serve as the cache of a plain transformers model"
         )
 

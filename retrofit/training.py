@@ -1,16 +1,20 @@
-"""SFT for looped models: a TRL ``SFTTrainer`` subclass that runs the real looped forward and adds
-each halting method's auxiliary loss (METHODS.md §3–4), plus the pieces the recipes share.
+"""SFT for looped models: a TRL ``SFTTrainer`` subclass with what SFT of a looped model needs beyond
+the model's own loss, plus the pieces the recipes share.
 
-Why a subclass: TRL's ``SFTTrainer.compute_loss`` asks the model for per-token log-probabilities
-through its "fused LM head", which for a plain transformers model runs only the backbone
-(ECOSYSTEM.md, TRL; retrofit's looped classes intercept it, see ``retrofit.modeling``). Either way
-it returns the next-token loss alone: no halting distribution, no per-depth losses, no decider
-signals. ``RetrofitSFTTrainer.compute_loss`` calls the looped forward itself and adds
-``method.loss(...)``:
+The halting methods' objectives (METHODS.md §3–4) belong to the model: with labels its forward
+returns ``loss`` = next-token loss + the method's weighted auxiliary loss, and exposes the latter as
+``aux_loss`` (``retrofit.modeling``), so TRL's own ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer`` and
+a plain ``transformers.Trainer`` all optimize it:
 
 - TaH2: ``L = L_NTP(mixture) + α_D · L_D`` (lookahead labels, cost-sensitive BCE);
 - ANIRA-E/O: ``L = L_CE(answer tokens) + γ · L_C`` (KL to the geometric prior, all tokens);
 - fixed: ``L = L_NTP``, optionally with a random depth per batch and truncated backprop.
+
+The weights live in the model's ``LoopConfig`` (saved in ``config.json``); the ``RetrofitSFTConfig``
+fields ``alpha_d``, ``rho``, ``decider_weighting``, ``gamma``, ``prior_base`` override them (the
+trainer writes the ones that are set into the model's config). ``RetrofitSFTTrainer.compute_loss``
+runs the looped forward (with the trainer-side switches: random depth, truncated backprop), scales
+the auxiliary loss for gradient accumulation as TRL does for a router loss, and records metrics.
 
 It logs, through TRL's ``self._metrics`` (so ``report_to="tensorboard"`` picks them up):
 ``ntp_loss``, ``aux_loss``, ``mean_depth`` (d̄ over non-padding tokens), ``mean_depth_answer``
@@ -44,6 +48,7 @@ from trl import SFTConfig, SFTTrainer
 
 from .checkpointing import STAGING_PREFIX, commit, last_checkpoint, remove_stale_staging, staging_path
 from .config import LoopConfig
+from .config import LOSS_FIELDS
 from .halting.base import AuxLoss, LossConfig
 from .halting.tah2 import next_token_mask
 from .modeling import LoopedForCausalLM
@@ -67,7 +72,10 @@ class RetrofitSFTConfig(SFTConfig):
     """``SFTConfig`` plus the looped methods' loss weights and training switches.
 
     Every paper choice is a field, so an ablation is one flag (``--decider_weighting uniform``,
-    ``--rho 1.0``). Model-side switches (``train_decisions="sample"``, ``mixture_output=False``,
+    ``--rho 1.0``). The loss weights (``alpha_d``, ``rho``, ``decider_weighting``, ``gamma``,
+    ``prior_base``) default to None, "the model's": the model's ``LoopConfig`` holds them, and a value
+    set here overrides it (the trainer writes it into the model's config, so the saved checkpoint
+    records it). Model-side switches (``train_decisions="sample"``, ``mixture_output=False``,
     ``fixed_graph``) live in ``LoopConfig``; the recipes expose them as flags too.
 
     On a machine without CUDA, ``bf16`` defaults to False (TRL defaults it to True). Unused
@@ -75,18 +83,26 @@ class RetrofitSFTConfig(SFTConfig):
     ``ddp_find_unused_parameters`` defaults to True.
     """
 
-    alpha_d: float = field(default=0.05, metadata={"help": "TaH2: weight α_D of the decider loss (METHODS.md §3: 0.05)."})
-    rho: float = field(
-        default=0.99,
-        metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels (0.99); 1.0 = keep every positive gain (ablation)."},
+    alpha_d: float | None = field(
+        default=None,
+        metadata={"help": "TaH2: weight α_D of the decider loss (METHODS.md §3: 0.05). Default: the model's LoopConfig."},
     )
-    decider_weighting: str = field(
-        default="distance",
-        metadata={"help": "TaH2: BCE weights, 'distance' = |δ - κ| (cost-sensitive) or 'uniform' (ablation)."},
+    rho: float | None = field(
+        default=None,
+        metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels (0.99); 1.0 = keep every positive gain "
+                  "(ablation). Default: the model's LoopConfig."},
     )
-    gamma: float = field(default=0.01, metadata={"help": "ANIRA: weight γ of the KL-to-prior loss L_C (§4)."})
-    prior_base: float = field(
-        default=2.0, metadata={"help": "ANIRA: base b of the depth prior p(d) ∝ b^(-d); 1 = entropy term only."}
+    decider_weighting: str | None = field(
+        default=None,
+        metadata={"help": "TaH2: BCE weights, 'distance' = |δ - κ| (cost-sensitive) or 'uniform' (ablation). "
+                  "Default: the model's LoopConfig."},
+    )
+    gamma: float | None = field(
+        default=None, metadata={"help": "ANIRA: weight γ of the KL-to-prior loss L_C (§4; 0.01). Default: the model's."}
+    )
+    prior_base: float | None = field(
+        default=None,
+        metadata={"help": "ANIRA: base b of the depth prior p(d) ∝ b^(-d) (2); 1 = entropy term only. Default: the model's."},
     )
     random_depth: bool = field(
         default=False,
@@ -130,14 +146,14 @@ class RetrofitSFTConfig(SFTConfig):
         super().__post_init__()
 
     @property
+    def loss_overrides(self) -> dict:
+        """The loss weights set here (not None): what the trainer writes into the model's ``LoopConfig``."""
+        return {k: getattr(self, k) for k in LOSS_FIELDS if getattr(self, k) is not None}
+
+    @property
     def loss_config(self) -> LossConfig:
-        return LossConfig(
-            alpha_d=self.alpha_d,
-            rho=self.rho,
-            decider_weighting=self.decider_weighting,
-            gamma=self.gamma,
-            prior_base=self.prior_base,
-        )
+        """The overrides on top of the default weights (the model's own may differ where none is set)."""
+        return LossConfig(**self.loss_overrides)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,6 +330,10 @@ class RetrofitSFTTrainer(SFTTrainer):
         if not isinstance(args, RetrofitSFTConfig):
             raise TypeError(f"args must be a RetrofitSFTConfig, got {type(args).__name__}")
         self._looped = _unwrap_looped(model)
+        if args.loss_overrides:
+            # the model computes its auxiliary loss from its LoopConfig: a new dict, so it is re-read
+            self._looped.config.loop = {**(self._looped.config.loop or {}), **args.loss_overrides}
+            self._looped.loop  # noqa: B018  (validates the new weights)
         self._staging_root: str | None = None
         self._depth_counts = {"train": None, "eval": None}
         self.data_report: dict[str, dict] = {}
@@ -402,6 +422,8 @@ class RetrofitSFTTrainer(SFTTrainer):
 
     # -- loss --------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The looped forward's loss (next-token + the method's auxiliary loss, ``retrofit.modeling``),
+        with the trainer-side switches (random depth, truncated backprop) and metrics."""
         mode = "train" if self.model.training else "eval"
         method = self._looped.halting
         labels = inputs["labels"]
@@ -412,29 +434,32 @@ class RetrofitSFTTrainer(SFTTrainer):
                 fwd[key] = inputs[key]
         if num_items_in_batch is not None:
             fwd["num_items_in_batch"] = num_items_in_batch
-        if method.needs_depth_losses:
-            fwd["output_depth_losses"] = True
         if mode == "train":
             fwd.update(method.train_forward_kwargs(self.args))
             if self.args.truncate_backprop is not None:
                 fwd["backprop_depth"] = self.args.truncate_backprop
         outputs = model(**fwd)
 
-        ntp = outputs.loss
+        # outputs.loss = next-token loss + coef · aux_loss; split it to scale the parts as TRL does
+        coef = getattr(self._looped.config, "router_aux_loss_coef", 1.0)
+        weighted_aux = coef * outputs.aux_loss if outputs.aux_loss is not None else None
+        ntp = outputs.loss if weighted_aux is None else outputs.loss - weighted_aux
+        loss = outputs.loss
         # like Trainer/TRL: num_items_in_batch counts every rank's tokens and DDP averages gradients
+        scale = 1
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            ntp = ntp * (self.accelerator.num_processes // self.get_tp_size())
-        aux: AuxLoss | None = method.loss(outputs, labels, self.args.loss_config, attention_mask)
-        loss = ntp
-        if aux is not None:
-            # a per-micro-batch mean: when num_items_in_batch is given the Trainer no longer divides
-            # by the accumulation steps, so we do (as TRL does for the MoE aux loss)
-            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None and mode == "train" else 1
-            loss = loss + aux.loss / steps
+            scale = self.accelerator.num_processes // self.get_tp_size()
+        # the auxiliary loss is a per-micro-batch mean: when num_items_in_batch is given the Trainer no
+        # longer divides by the accumulation steps, so we do (as TRL does for the MoE aux loss)
+        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None and mode == "train" else 1
+        if scale != 1 or (weighted_aux is not None and steps != 1):
+            loss = ntp * scale + (weighted_aux / steps if weighted_aux is not None else 0)
+        aux = AuxLoss(weighted_aux, outputs.aux_metrics or {}) if weighted_aux is not None else None
 
         if mode == "train":
+            # guards the total loss (next-token and auxiliary parts alike) before the backward pass
             self._check_finite(loss, ntp, aux)
-        self._record_metrics(mode, outputs, labels, attention_mask, aux, num_items_in_batch)
+        self._record_metrics(mode, outputs, labels, attention_mask, aux, num_items_in_batch, ntp)
         return (loss, outputs) if return_outputs else loss
 
     def _check_finite(self, loss, ntp, aux) -> None:
@@ -454,7 +479,7 @@ class RetrofitSFTTrainer(SFTTrainer):
             )
 
     @torch.no_grad()
-    def _record_metrics(self, mode, outputs, labels, attention_mask, aux: AuxLoss | None, num_items_in_batch):
+    def _record_metrics(self, mode, outputs, labels, attention_mask, aux: AuxLoss | None, num_items_in_batch, ntp):
         D = self._looped.loop.max_depth
         depths = outputs.depths
         valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(depths, dtype=torch.bool)
@@ -464,8 +489,8 @@ class RetrofitSFTTrainer(SFTTrainer):
         shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
         correct = ((logits.argmax(-1) == shift) & ans).sum().float()
         n_ans = ans.sum().float()
-        # the model's loss is this micro-batch's NLL sum over num_items_in_batch (or its own count)
-        ntp_sum = outputs.loss.detach().float() * (
+        # the next-token loss is this micro-batch's NLL sum over num_items_in_batch (or its own count)
+        ntp_sum = ntp.detach().float() * (
             num_items_in_batch if num_items_in_batch is not None else n_ans.clamp_min(1)
         )
         aux_names = sorted(aux.metrics) if aux is not None else []
@@ -501,6 +526,24 @@ class RetrofitSFTTrainer(SFTTrainer):
             m["num_tokens"] = [self._total_train_tokens]
         acc = self._depth_counts[mode]
         self._depth_counts[mode] = counts_t.cpu() if acc is None else acc + counts_t.cpu()
+
+    # -- model card --------------------------------------------------------------------------------
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """The run folder's ``README.md``: retrofit's card (``retrofit.model_card``), not TRL's automatic
+        one (which cannot name the base of a looped checkpoint: "a fine-tuned version of [None]")."""
+        if not self.is_world_process_zero():
+            return
+        from .heads import parameter_report
+        from .model_card import render_model_card
+
+        cfg = self._looped.config
+        card = render_model_card(
+            cfg, parameter_report(self._looped), base_model=getattr(cfg, "retrofit_base_model", None),
+            license=getattr(cfg, "retrofit_base_license", None), repo_id=self.args.hub_model_id, run_folder=True,
+        )
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as fh:
+            fh.write(card)
 
     # -- logging -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -17,7 +17,7 @@ from transformers import DynamicCache, TextStreamer
 
 from retrofit import LoopConfig, convert
 from retrofit.cache import DepthKVCache
-from retrofit.generation import LoopedGenerateOutput
+from retrofit.outputs import LoopedGenerateOutput
 from retrofit.testing import char_tokenizer, tiny_base
 
 SPLITS = {"whole": {"prelude": 0, "core": None}, "middle": {"prelude": 1, "core": 3}}

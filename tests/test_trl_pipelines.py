@@ -31,7 +31,8 @@ import torch
 
 import retrofit
 from retrofit import LoopConfig, convert
-from retrofit.modeling import LOOPED_CLASSES, LoopedForCausalLM, fused_outputs_from_logits
+from retrofit.modeling import LOOPED_CLASSES, LoopedForCausalLM
+from retrofit.trl_fused import fused_outputs_from_logits
 from retrofit.testing import char_tokenizer, tiny_base
 
 HAS_CACHE_GENERATION = importlib.util.find_spec("retrofit.generation") is not None
