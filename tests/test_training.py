@@ -430,3 +430,18 @@ def test_heads_get_their_own_learning_rate(tmp_path):
     others = [lrs[id(p)] for n, p in model.named_parameters() if p.requires_grad and id(p) not in head_ids]
     assert others and all(lr == trainer.args.learning_rate for lr in others)
     assert sum(len(g["params"]) for g in opt.param_groups) == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_run_folder_card_is_retrofits(tmp_path):
+    """The README.md TRL writes next to checkpoints is retrofit's card, not "a fine-tuned version of [None]"."""
+    from retrofit.model_card import split_front_matter
+
+    model = make_model("tah2")
+    model.config.retrofit_base_model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    tr = make_trainer(tmp_path, model=model, max_steps=1, save_strategy="steps", save_steps=1)
+    tr.train()
+    assert (tmp_path / "checkpoint-1").is_dir()
+    meta, body = split_front_matter((tmp_path / "README.md").read_text())
+    assert "[None]" not in body and "fine-tuned version" not in body
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "tah2" in meta["tags"]
+    assert "| max depth D | 2 |" in body and "retrofit export" in body
