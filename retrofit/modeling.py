@@ -55,6 +55,14 @@ def _from_installed_package(cls) -> bool:
 # Configs: flat subclasses of the base configs, plus the loop spec as one dict field.
 # ------------------------------------------------------------------------------------------------
 class _LoopedConfigMixin:
+    """What a looped config adds to its base config:
+
+    - ``loop``: the ``LoopConfig`` as a dict (``loop_config`` parses it);
+    - ``output_router_logits`` / ``router_aux_loss_coef``: with labels, the forward computes the halting
+      method's auxiliary loss and adds ``router_aux_loss_coef ×`` it to ``loss``; the names and meaning
+      of mixture-of-experts configs, which TRL's trainers read (they then add ``aux_loss`` themselves).
+    """
+
     # TRL's create_model_from_path reads `config.auto_map` for architectures outside transformers
     # and transformers tests `name in config.auto_map`: {} until a config.json sets one (exports do).
     @property
@@ -84,12 +92,7 @@ class _LoopedConfigMixin:
 @strict(accept_kwargs=True)
 @dataclasses.dataclass(repr=False)
 class LoopedLlamaConfig(_LoopedConfigMixin, LlamaConfig):
-    """``LlamaConfig`` plus ``loop`` (a ``LoopConfig`` as a dict) and the auxiliary-loss switches.
-
-    ``output_router_logits`` / ``router_aux_loss_coef``: with labels, the forward computes the halting
-    method's auxiliary loss and adds ``router_aux_loss_coef ×`` it to ``loss``; the names and meaning
-    of mixture-of-experts configs, which TRL's trainers read (they then add ``aux_loss`` themselves).
-    """
+    """``LlamaConfig`` plus the looped fields (see ``_LoopedConfigMixin``)."""
 
     model_type = "looped_llama"
     loop: dict | None = None
@@ -100,12 +103,7 @@ class LoopedLlamaConfig(_LoopedConfigMixin, LlamaConfig):
 @strict(accept_kwargs=True)
 @dataclasses.dataclass(repr=False)
 class LoopedQwen3Config(_LoopedConfigMixin, Qwen3Config):
-    """``Qwen3Config`` plus ``loop`` (a ``LoopConfig`` as a dict) and the auxiliary-loss switches.
-
-    ``output_router_logits`` / ``router_aux_loss_coef``: with labels, the forward computes the halting
-    method's auxiliary loss and adds ``router_aux_loss_coef ×`` it to ``loss``; the names and meaning
-    of mixture-of-experts configs, which TRL's trainers read (they then add ``aux_loss`` themselves).
-    """
+    """``Qwen3Config`` plus the looped fields (see ``_LoopedConfigMixin``)."""
 
     model_type = "looped_qwen3"
     loop: dict | None = None
@@ -193,17 +191,21 @@ class LoopedForCausalLM(PreTrainedModel):
             self.__dict__["_loop_src"] = dict(src)
         return self.__dict__["_loop_cfg"]
 
+    def _layer_slice(self, r: range) -> list[nn.Module]:
+        # the decode loop reads these every depth: slice the ModuleList's dict, not item by item
+        return list(self.model.layers._modules.values())[r.start : r.stop]
+
     @property
     def prelude_layers(self) -> list[nn.Module]:
-        return [self.model.layers[i] for i in self._ranges[0]]
+        return self._layer_slice(self._ranges[0])
 
     @property
     def core_layers(self) -> list[nn.Module]:
-        return [self.model.layers[i] for i in self._ranges[1]]
+        return self._layer_slice(self._ranges[1])
 
     @property
     def coda_layers(self) -> list[nn.Module]:
-        return [self.model.layers[i] for i in self._ranges[2]]
+        return self._layer_slice(self._ranges[2])
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
