@@ -471,3 +471,14 @@ def test_tah2_training_forward_matches_reference_mixture_and_losses():
         fin = torch.isfinite(out.depth_nll[..., d])
         ce = F.cross_entropy(torch.nan_to_num(z[d]).flatten(0, 1), shift.flatten(), reduction="none").view_as(shift)
         assert torch.equal(out.depth_nll[..., d][fin], ce.detach()[fin])
+
+
+@pytest.mark.parametrize("name", sorted(HALTING_METHODS))
+def test_forced_depth_has_no_auxiliary_loss(name):
+    """A forced depth runs no decider, so there is no decision to supervise: the loss is the next-token
+    loss alone, for every method."""
+    model = _method_model(name).train()
+    ids, labels = _batch()
+    out = model(ids, labels=labels, depth=2)
+    assert out.aux_loss is None and model.halting.loss(out, labels, LossConfig()) is None
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()))
