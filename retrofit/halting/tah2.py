@@ -95,8 +95,8 @@ class TaH2(HaltingMethod):
             return None
         if outputs.depth_nll is None:
             raise ValueError(
-                "TaH2's decider loss needs outputs.depth_nll: call the model with labels= "
-                "(training mode computes it; in eval mode also pass output_depth_losses=True)"
+                "TaH2's decider loss needs outputs.depth_nll: call the model with labels= and the auxiliary loss "
+                "on (output_router_logits, default config.output_router_logits), or with output_depth_losses=True"
             )
         lab = lookahead_labels(
             outputs.depth_nll, next_token_mask(labels), cfg.rho, n_decisions=outputs.halt_signals.shape[-1]
