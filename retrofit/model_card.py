@@ -309,6 +309,19 @@ def render_model_card(
     return "\n".join(lines) + "\n"
 
 
+def write_run_card(model, output_dir: str | Path, repo_id: str | None = None) -> Path:
+    """Write the card of a training run's folder (``RetrofitSFTTrainer`` does, in place of TRL's)."""
+    from .heads import parameter_report
+
+    cfg = model.config
+    card = render_model_card(cfg, parameter_report(model), base_model=getattr(cfg, "retrofit_base_model", None),
+                             license=getattr(cfg, "retrofit_base_license", None), repo_id=repo_id, run_folder=True)
+    path = Path(output_dir) / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(card, encoding="utf-8")
+    return path
+
+
 def _export_usage(where: str, remote_code_files: list[str] | None, has_tokenizer: bool) -> list[str]:
     lines = [
         "## Usage",

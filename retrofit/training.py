@@ -1,20 +1,14 @@
-"""SFT for looped models: a TRL ``SFTTrainer`` subclass with what SFT of a looped model needs beyond
-the model's own loss, plus the pieces the recipes share.
+"""SFT for looped models: a TRL ``SFTTrainer`` subclass with what SFT needs beyond the model's own
+loss, plus the pieces the recipes share.
 
 The halting methods' objectives (METHODS.md §3–4) belong to the model: with labels its forward
-returns ``loss`` = next-token loss + the method's weighted auxiliary loss, and exposes the latter as
-``aux_loss`` (``retrofit.modeling``), so TRL's own ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer`` and
-a plain ``transformers.Trainer`` all optimize it:
-
-- TaH2: ``L = L_NTP(mixture) + α_D · L_D`` (lookahead labels, cost-sensitive BCE);
-- ANIRA-E/O: ``L = L_CE(answer tokens) + γ · L_C`` (KL to the geometric prior, all tokens);
-- fixed: ``L = L_NTP``, optionally with a random depth per batch and truncated backprop.
-
-The weights live in the model's ``LoopConfig`` (saved in ``config.json``); the ``RetrofitSFTConfig``
-fields ``alpha_d``, ``rho``, ``decider_weighting``, ``gamma``, ``prior_base`` override them (the
-trainer writes the ones that are set into the model's config). ``RetrofitSFTTrainer.compute_loss``
-runs the looped forward (with the trainer-side switches: random depth, truncated backprop), scales
-the auxiliary loss for gradient accumulation as TRL does for a router loss, and records metrics.
+returns ``loss`` = next-token loss + the method's weighted ``aux_loss`` (``retrofit.modeling``), so
+TRL's ``SFTTrainer``/``DPOTrainer``/``GRPOTrainer`` and ``transformers.Trainer`` all optimize
+``L_NTP(mixture) + α_D · L_D`` (TaH2), ``L_CE + γ · L_C`` (ANIRA-E/O) or ``L_NTP`` (fixed). The weights
+live in the model's ``LoopConfig``; the ``RetrofitSFTConfig`` fields of the same names override them
+(the trainer writes those set into the model's config). ``compute_loss`` adds the trainer-side
+switches (random depth, truncated backprop), scales the auxiliary loss for gradient accumulation as
+TRL does for a router loss, and records metrics.
 
 It logs, through TRL's ``self._metrics`` (so ``report_to="tensorboard"`` picks them up):
 ``ntp_loss``, ``aux_loss``, ``mean_depth`` (d̄ over non-padding tokens), ``mean_depth_answer``
@@ -83,26 +77,17 @@ class RetrofitSFTConfig(SFTConfig):
     ``ddp_find_unused_parameters`` defaults to True.
     """
 
-    alpha_d: float | None = field(
-        default=None,
-        metadata={"help": "TaH2: weight α_D of the decider loss (METHODS.md §3: 0.05). Default: the model's LoopConfig."},
-    )
+    # loss weights: None = the model's LoopConfig value (defaults in brackets)
+    alpha_d: float | None = field(default=None, metadata={"help": "TaH2: weight α_D of the decider loss [0.05]."})
     rho: float | None = field(
-        default=None,
-        metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels (0.99); 1.0 = keep every positive gain "
-                  "(ablation). Default: the model's LoopConfig."},
+        default=None, metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels [0.99]; 1.0 = every positive gain."}
     )
     decider_weighting: str | None = field(
-        default=None,
-        metadata={"help": "TaH2: BCE weights, 'distance' = |δ - κ| (cost-sensitive) or 'uniform' (ablation). "
-                  "Default: the model's LoopConfig."},
+        default=None, metadata={"help": "TaH2: BCE weights, 'distance' = |δ - κ| [default] or 'uniform' (ablation)."}
     )
-    gamma: float | None = field(
-        default=None, metadata={"help": "ANIRA: weight γ of the KL-to-prior loss L_C (§4; 0.01). Default: the model's."}
-    )
+    gamma: float | None = field(default=None, metadata={"help": "ANIRA: weight γ of the KL-to-prior loss L_C [0.01]."})
     prior_base: float | None = field(
-        default=None,
-        metadata={"help": "ANIRA: base b of the depth prior p(d) ∝ b^(-d) (2); 1 = entropy term only. Default: the model's."},
+        default=None, metadata={"help": "ANIRA: base b of the depth prior p(d) ∝ b^(-d) [2]; 1 = entropy term only."}
     )
     random_depth: bool = field(
         default=False,
@@ -529,21 +514,11 @@ class RetrofitSFTTrainer(SFTTrainer):
 
     # -- model card --------------------------------------------------------------------------------
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """The run folder's ``README.md``: retrofit's card (``retrofit.model_card``), not TRL's automatic
-        one (which cannot name the base of a looped checkpoint: "a fine-tuned version of [None]")."""
-        if not self.is_world_process_zero():
-            return
-        from .heads import parameter_report
-        from .model_card import render_model_card
+        """The run folder's ``README.md``: retrofit's card, not TRL's ("a fine-tuned version of [None]")."""
+        if self.is_world_process_zero():
+            from .model_card import write_run_card
 
-        cfg = self._looped.config
-        card = render_model_card(
-            cfg, parameter_report(self._looped), base_model=getattr(cfg, "retrofit_base_model", None),
-            license=getattr(cfg, "retrofit_base_license", None), repo_id=self.args.hub_model_id, run_folder=True,
-        )
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        with open(os.path.join(self.args.output_dir, "README.md"), "w", encoding="utf-8") as fh:
-            fh.write(card)
+            write_run_card(self._looped, self.args.output_dir, repo_id=self.args.hub_model_id)
 
     # -- logging -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
