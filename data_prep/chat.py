@@ -66,7 +66,15 @@ _ACCEPTED = "'messages', or 'prompt' + 'completion', or 'prompt' + 'answer'"
 _MAX_SKIP_LOGS = 20  # individual skip warnings before only the summary is logged
 
 
-class DataError(ValueError):
+def _user_error_base():
+    try:  # one-line reporting by retrofit's entry points (retrofit.errors.run_cli)
+        from retrofit.errors import RetrofitUserError
+    except ImportError:  # data_prep used without retrofit
+        return Exception
+    return RetrofitUserError
+
+
+class DataError(_user_error_base(), ValueError):
     """A data problem the user can fix; names the row (or file line) and what is allowed.
 
     Attributes:
@@ -83,31 +91,109 @@ class DataError(ValueError):
 # --- loading -----------------------------------------------------------------------------------
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _decode(raw: bytes, path: Path, lineno: int | None = None) -> str:
+    try:
+        return raw.decode("utf-8-sig" if lineno in (None, 1) else "utf-8")
+    except UnicodeDecodeError as e:
+        where = f"{path}:{lineno}" if lineno is not None else str(path)
+        raise DataError(
+            f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save the file as UTF-8"
+        ) from None
+
+
+def _read_jsonl(path: Path, lines: list[int] | None = None) -> list[dict]:
     rows = []
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = _decode(raw, path, lineno)
             if not line.strip():
                 continue
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}); each line must be one JSON object") from None
+            if lines is not None:
+                lines.append(lineno)
     return rows
 
 
-def _read_json(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
+def _read_json(path: Path, lines: list[int] | None = None) -> list[dict]:
+    text = _decode(path.read_bytes(), path)
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith("["):  # a JSON list, broken (not JSON Lines)
+            raise DataError(
+                f"{path}: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno}); a .json file must hold one "
+                "list of row objects, or one JSON object per line"
+            ) from None
         # Many ".json" chat files are really JSON Lines.
-        return _read_jsonl(path)
+        return _read_jsonl(path, lines)
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list):
         raise DataError(f"{path}: top-level JSON must be a list of row objects, got {type(data).__name__}")
     return data
+
+
+def _kind(v: Any) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, (list, tuple)):
+        return "list"
+    if isinstance(v, dict):
+        return "object"
+    return type(v).__name__
+
+
+def _check_file_rows(rows: list, path: Path, lines: list[int] | None) -> None:
+    """What a table needs from file rows: at least one, each a JSON object, and one JSON type per
+    column (and per nested field), so that ``datasets.Dataset.from_list`` can build the Arrow table."""
+
+    def where(i: int) -> str:
+        return f"line {lines[i]}" if lines and i < len(lines) else f"row {i}"
+
+    def at(i: int) -> str:
+        return f"{path}:{lines[i]}" if lines and i < len(lines) else f"{path}: row {i}"
+
+    if not rows:
+        raise DataError(f"{path}: no rows (the file is empty); give one JSON object per row with {_ACCEPTED}")
+    seen: dict[str, tuple[str, int]] = {}
+
+    def visit(field: str, v: Any, i: int) -> None:
+        k = _kind(v)
+        if k is None:
+            return
+        prev = seen.setdefault(field, (k, i))
+        if prev[0] != k:
+            raise DataError(
+                f"{at(i)}: field '{field}' is a {k} here but a {prev[0]} in {where(prev[1])}; "
+                "every row must give a field the same type (e.g. all strings)",
+                i,
+                "mixed_types",
+            )
+        if k == "list":
+            for x in v:
+                visit(field + "[]", x, i)
+        elif k == "object":
+            for key, x in v.items():
+                visit(f"{field}.{key}", x, i)
+
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(
+                f"{at(i)}: a row must be a JSON object with {_ACCEPTED}, got a {_kind(row) or 'null'} ({json.dumps(row)[:60]})",
+                i,
+                "not_a_dict",
+            )
+        for key, v in row.items():
+            visit(key, v, i)
 
 
 def _read_parquet(path: Path) -> list[dict]:
@@ -129,7 +215,7 @@ def _from_hf(obj, split: str | None, where: str) -> list[dict]:
     return obj.to_list()
 
 
-def load_rows(source: Any, split: str | None = None) -> list[dict]:
+def load_rows(source: Any, split: str | None = None, check_rows: bool = True) -> list[dict]:
     """Loads raw rows from a file, a saved dataset folder, a Dataset, or a list.
 
     Args:
@@ -138,12 +224,17 @@ def load_rows(source: Any, split: str | None = None) -> list[dict]:
             (``Dataset`` or ``DatasetDict``); or a ``datasets.Dataset`` / ``DatasetDict``; or a
             list of dicts (returned as a list).
         split: Split to take from a DatasetDict; defaults to ``train`` (or the only split).
+        check_rows: for JSON / JSON Lines files, also require at least one row, every row a JSON
+            object and one JSON type per field across rows (what ``datasets.Dataset.from_list``
+            needs). :func:`to_sft_dataset` passes False: it validates rows itself and may skip bad ones.
 
     Returns:
-        A list of rows (dicts, unvalidated; :func:`to_sft_dataset` validates them).
+        A list of rows (their contents unvalidated; :func:`to_sft_dataset` validates them).
 
     Raises:
-        DataError: missing path, unsupported file type, unreadable file or invalid JSON line.
+        DataError: missing path, unsupported file type, unreadable or non-UTF-8 file, invalid JSON,
+            and with ``check_rows`` an empty file, a row that is not an object, or a field whose type
+            changes between rows. The message names the file and line, and what is allowed.
     """
     if isinstance(source, (datasets.Dataset, datasets.DatasetDict)):
         return _from_hf(source, split, "dataset")
@@ -167,10 +258,15 @@ def load_rows(source: Any, split: str | None = None) -> list[dict]:
             raise DataError(f"{path}: cannot load with datasets.load_from_disk ({e})") from None
         return _from_hf(obj, split, str(path))
     suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        return _read_jsonl(path)
-    if suffix == ".json":
-        return _read_json(path)
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        lines: list[int] = []
+        try:
+            rows = _read_jsonl(path, lines) if suffix != ".json" else _read_json(path, lines)
+        except OSError as e:
+            raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+        if check_rows:
+            _check_file_rows(rows, path, lines)
+        return rows
     if suffix in (".parquet", ".pq"):
         return _read_parquet(path)
     raise DataError(
@@ -321,7 +417,7 @@ def to_sft_dataset(
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         if tokenizer is None:
             raise ValueError("max_length needs a tokenizer to count tokens; pass tokenizer=...")
-    raw = load_rows(rows)
+    raw = load_rows(rows, check_rows=False)
     templated = tokenizer is not None and _has_chat_template(tokenizer)
     skipped: dict[str, int] = {}
 

@@ -347,5 +347,7 @@ def main_job_report(model, tokenizer, base, out: Path, dargs, rargs, identity_er
 
 
 if __name__ == "__main__":
+    from retrofit.errors import run_cli  # bad input: one `error:` line, exit code 2
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    sys.exit(run_cli(main))

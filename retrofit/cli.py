@@ -1,7 +1,10 @@
 """The ``retrofit`` command: one subcommand per capability, each implemented in its own module.
 
 Every subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; this file only
-dispatches (one explicit table, imported lazily so ``retrofit --help`` stays fast).
+dispatches (one explicit table, imported lazily so ``retrofit --help`` stays fast), checks that no
+output path overlaps an input (``OUTPUT_PATHS``, ``retrofit.output_paths``) and reports user errors as
+one ``error: ...`` line with exit code 2 (``retrofit.errors.run_cli``; ``RETROFIT_DEBUG=1`` shows
+the traceback).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import argparse
 import importlib
 import sys
 
+from .errors import run_cli
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("retrofit.cli_convert", "convert a base checkpoint (hub id, folder or GGUF) into an untrained looped checkpoint"),
@@ -17,8 +22,31 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("retrofit.cli_generate", "generate text with per-token adaptive depth; show each token's exit depth"),
     "eval": ("retrofit.evaluation.runner", "complexity-controlled evaluation: accuracy and depth per difficulty level"),
     "bench": ("retrofit.cli_bench", "run the speed/memory benchmarks and print JSON"),
+    "serve": ("retrofit.serving.cli", "OpenAI-compatible server with continuous depth-wise batching (FastAPI + uvicorn)"),
     "params": ("retrofit.cli_params", "report the heads' parameter share at real model shapes (meta device)"),
 }
+
+
+# subcommand -> (its output path options, its input path options): an output may not be, contain or
+# lie inside an input (convert and export also apply the --overwrite rule to their folder)
+OUTPUT_PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "convert": (("out",), ("model",)),
+    "export": (("out",), ("ckpt", "tokenizer")),
+    "eval": (("out",), ("model", "compare")),
+    "generate": (("html",), ("model",)),
+}
+
+
+def check_paths(command: str, args: argparse.Namespace) -> None:
+    """Refuse an output option that overlaps an input option (``retrofit.output_paths.check_no_overlap``)."""
+    from .output_paths import check_no_overlap
+
+    outs, ins = OUTPUT_PATHS.get(command, ((), ()))
+    inputs = [getattr(args, name, None) for name in ins]
+    for name in outs:
+        value = getattr(args, name, None)
+        if value:
+            check_no_overlap(value, inputs, flag="--" + name.replace("_", "-"))
 
 
 def build_parser(load: bool = True) -> argparse.ArgumentParser:
@@ -34,7 +62,11 @@ def build_parser(load: bool = True) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run ``retrofit ARGV``; returns the exit code (2 after printing a one-line error for bad input)."""
+    return run_cli(_main, sys.argv[1:] if argv is None else list(argv))
+
+
+def _main(argv: list[str]) -> int:
     # top-level --help must not import every subcommand's dependencies
     load = not (len(argv) == 0 or argv[0] in ("-h", "--help"))
     if load and argv[0] in SUBCOMMANDS:
@@ -51,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    check_paths(args.command, args)
     return int(args._run(args) or 0)
 
 

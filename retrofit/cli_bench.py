@@ -5,17 +5,23 @@
     retrofit bench --out bench.json --args "--batch 16 --new-tokens 32"   # --args go to the script
 
 The benchmark scripts live in the repository (``benchmarks/``, STYLE.md: outside the library, they
-print ratios, not pass/fail); this command finds them next to the installed package or in the
-current directory and runs one's ``main``.
+print ratios, not pass/fail) and are not part of the installed package. This command runs them
+only from the source checkout the package itself was imported from (an editable install, or
+``python -m retrofit.cli`` inside a clone): the ``benchmarks/`` folder next to the ``retrofit/``
+package, in a folder whose ``setup.cfg`` names the ``retrofit`` distribution. It never looks in
+the current directory — that would execute whatever a ``benchmarks/decode.py`` there holds. With a
+wheel install it says how to get the scripts (clone the repository and ``pip install -e .``).
 """
 
 from __future__ import annotations
 
 import argparse
+import configparser
 import runpy
 import shlex
-import sys
 from pathlib import Path
+
+from .errors import RetrofitUserError
 
 BENCHMARKS = {"decode": "decode.py"}
 
@@ -27,24 +33,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--args", default="", help='more arguments for the benchmark script, as one string (e.g. "--batch 16")')
 
 
-def find_script(name: str) -> Path:
+class BenchmarkNotFoundError(RetrofitUserError, FileNotFoundError):
+    """The benchmark scripts are not installed (they ship with the source repository only)."""
+
+
+def source_checkout(package_dir: Path | None = None) -> Path | None:
+    """The retrofit source checkout the package was imported from, or None (a wheel install).
+
+    A checkout is the folder above the ``retrofit/`` package whose ``setup.cfg`` declares
+    ``name = retrofit`` (a ``site-packages`` folder has neither).
+    """
+    pkg = Path(__file__).resolve().parent if package_dir is None else Path(package_dir).resolve()
+    root = pkg.parent
+    cfg = root / "setup.cfg"
+    if not cfg.is_file():
+        return None
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(cfg, encoding="utf-8")
+    except (configparser.Error, UnicodeDecodeError):
+        return None
+    return root if parser.get("metadata", "name", fallback=None) == "retrofit" else None
+
+
+def find_script(name: str, package_dir: Path | None = None) -> Path:
+    """The benchmark script ``name`` of the checkout the package came from (never the current directory)."""
     fname = BENCHMARKS[name]
-    candidates = [Path(__file__).resolve().parent.parent / "benchmarks" / fname, Path.cwd() / "benchmarks" / fname]
-    for c in candidates:
-        if c.is_file():
-            return c
-    raise FileNotFoundError(
-        f"benchmarks/{fname} not found (looked in {', '.join(str(c.parent) for c in candidates)}); "
-        "run from a checkout of the retrofit repository"
+    root = source_checkout(package_dir)
+    if root is not None and (root / "benchmarks" / fname).is_file():
+        return root / "benchmarks" / fname
+    where = f"the checkout {root} has no benchmarks/{fname}" if root is not None else (
+        "retrofit is installed as a package, and the benchmarks ship with the source repository only"
+    )
+    raise BenchmarkNotFoundError(
+        f"cannot run the {name} benchmark: {where}; clone the retrofit repository and run "
+        f"`pip install -e .` there (then `retrofit bench`), or `python benchmarks/{fname}` inside the clone"
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        script = find_script(args.name)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    script = find_script(args.name)
     argv = shlex.split(args.args)
     if args.quick:
         argv.append("--quick")

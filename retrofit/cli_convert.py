@@ -17,6 +17,10 @@ override.
 
 Before writing, the conversion is checked: with every token forced to exit at depth 1 the looped
 model's logits must equal the base model's on a short probe (``--no-check`` skips it).
+
+``--out`` may not be, contain or lie inside ``--model``; ``--overwrite`` replaces only a folder
+that retrofit wrote (``retrofit.output_paths``: the folder gets a ``.retrofit-output`` marker). Bad
+input (a missing or truncated model file, an invalid loop spec…) is one ``error:`` line, exit 2.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from .config import ATTENTION_MODES, METHODS, LoopConfig, LoopConfigError
+from .config import ATTENTION_MODES, METHODS, LoopConfig
+from .errors import RetrofitUserError
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +45,12 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class IdentityCheckError(RuntimeError):
+class IdentityCheckError(RetrofitUserError, RuntimeError):
     """The converted model does not reproduce the base model at depth 1."""
+
+
+class ConvertError(RetrofitUserError, ValueError):
+    """The conversion's input or options are unusable (the message says why)."""
 
 
 def looks_like_hub_id(s: str | None) -> bool:
@@ -151,14 +160,14 @@ def convert_to_folder(
     from .export import _check_target, _swap_into_place
     from .loading import load_model
     from .modeling import LoopedForCausalLM
+    from .output_paths import write_marker
 
-    out = Path(out).resolve()
-    _check_target(out, overwrite)
+    out = _check_target(Path(out), overwrite, [model])
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+        raise ConvertError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     base, tok = load_model(model, dtype=DTYPES[dtype])
     if isinstance(base, LoopedForCausalLM):
-        raise TypeError(f"{model} is already a looped checkpoint; convert its base model instead")
+        raise ConvertError(f"{model} is already a looped checkpoint; convert its base model instead")
     loop.layer_ranges(base.config.num_hidden_layers)  # clear error before any work
     rec_base, rec_license = base_provenance(model, base)
     looped = convert(base, loop)
@@ -176,6 +185,7 @@ def convert_to_folder(
         looped.save_pretrained(str(tmp))
         if tok is not None:
             tok.save_pretrained(str(tmp))
+        write_marker(tmp, "retrofit convert")
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -194,7 +204,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--updater-hidden", type=int, default=None, help="updater MLP width (default: hidden size; lower it to save parameters)")
     p.add_argument("--decider-hidden", type=int, default=None, help="decider FFN width (default: hidden size // 4)")
     p.add_argument("--out", required=True, help="folder to write (must be empty unless --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (only one that retrofit wrote)")
     p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="load dtype (GGUF files dequantize to float32)")
     p.add_argument("--base-model", default=None, help="record this base model id for the model card")
     p.add_argument("--license", default=None, help="record this license for the model card")
@@ -202,7 +212,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from .export import ExportError
+    """Entry point of ``retrofit convert``; bad input raises a ``RetrofitUserError`` (one line via ``retrofit.cli``)."""
+    from .families import UnsupportedArchitectureError
 
     try:
         loop = LoopConfig(
@@ -224,7 +235,7 @@ def run(args) -> int:
             license=args.license,
             check=not args.no_check,
         )
-    except (LoopConfigError, ExportError, IdentityCheckError, FileNotFoundError, ValueError, TypeError) as e:
-        raise SystemExit(f"retrofit convert: {e}") from None
+    except (UnsupportedArchitectureError, TypeError) as e:  # not a Llama / Qwen3 causal LM
+        raise ConvertError(str(e)) from e
     print(f"wrote the looped checkpoint to {out}")
     return 0

@@ -9,12 +9,25 @@
 With ``--show-depths`` each token is printed on a background coloured by its exit depth (the depth
 of the step that produced it) as it streams, followed by the mean depth d̄ and the FLOPs relative to
 the fixed-max-depth and base models; ``--html`` writes the same view to a file.
+
+Bad input is one ``error:`` line (exit code 2): a model path that does not exist or a broken
+model file (``retrofit.loading``), an empty or non-UTF-8 prompt, a prompt that does not fit the
+model's context with ``--max-new-tokens`` (``--truncate`` keeps its last tokens instead, and says
+how many it dropped), or a request whose K/V cache cannot fit in memory (``retrofit.memory``).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
+
+from .errors import RetrofitUserError
+
+logger = logging.getLogger(__name__)
+
+
+class GenerateError(RetrofitUserError, ValueError):
+    """Bad options or prompt for ``retrofit generate``."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +48,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (with --sample)")
     p.add_argument("--show-depths", action="store_true", help="colour each token by its exit depth; print d̄ and FLOPs")
     p.add_argument("--html", default=None, metavar="OUT", help="write the depth-coloured answer to this HTML file")
+    p.add_argument("--truncate", action="store_true",
+                   help="when the prompt plus --max-new-tokens exceeds the model's context, keep the prompt's last "
+                        "tokens (default: refuse with an error)")
+
+
+def check_prompt(prompt: str) -> str:
+    """The prompt, or a ``GenerateError`` when it is empty or not valid UTF-8 (undecodable bytes in
+    the command line arrive as lone surrogates)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = prompt[e.start]
+        byte = f"byte 0x{ord(ch) - 0xDC00:02x}" if 0xDC80 <= ord(ch) <= 0xDCFF else f"character {ch!r}"
+        raise GenerateError(
+            f"--prompt is not valid UTF-8 (undecodable {byte} at position {e.start}); pass UTF-8 text"
+        ) from None
+    if not prompt.strip():
+        raise GenerateError("--prompt is empty; give the text to continue (or --chat to wrap it as a user turn)")
+    return prompt
+
+
+def fit_context(ids, context: int | None, new_tokens: int, truncate: bool):
+    """Check that ``[1, P]`` prompt ids plus ``new_tokens`` fit ``context`` positions.
+
+    Returns:
+        ``(ids, dropped)``: the ids (the last ``context - new_tokens`` of them with ``truncate``) and
+        how many leading tokens were dropped.
+
+    Raises:
+        GenerateError: the prompt is empty after tokenization, or it does not fit and not ``truncate``
+            (or ``new_tokens`` alone fills the context).
+    """
+    P = ids.shape[1]
+    if P == 0:
+        raise GenerateError("--prompt encodes to no tokens; give some text the tokenizer knows")
+    if context is None or P + new_tokens <= context:
+        return ids, 0
+    room = context - new_tokens
+    if room < 1:
+        raise GenerateError(
+            f"--max-new-tokens {new_tokens} leaves no room for the prompt in the model's context of {context} positions; "
+            f"use at most {context - 1}"
+        )
+    if not truncate:
+        raise GenerateError(
+            f"the prompt is {P} tokens; with --max-new-tokens {new_tokens} it needs {P + new_tokens} positions, but the "
+            f"model's context is {context}; shorten the prompt, lower --max-new-tokens, or pass --truncate to keep "
+            f"its last {room} tokens"
+        )
+    return ids[:, P - room :], P - room
 
 
 class _DepthStreamer:
@@ -81,14 +144,12 @@ def run(args: argparse.Namespace) -> int:
     from .modeling import LoopedForCausalLM
 
     if args.exit in ("kl", "state") and args.threshold is None:
-        print(f"error: --exit {args.exit} needs --threshold T", file=sys.stderr)
-        return 2
+        raise GenerateError(f"--exit {args.exit} needs --threshold T")
     if args.threshold is not None and args.exit not in ("kl", "state"):
-        print("error: --threshold applies to --exit kl or --exit state only", file=sys.stderr)
-        return 2
+        raise GenerateError("--threshold applies to --exit kl or --exit state only")
     if args.max_new_tokens < 1:
-        print(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}", file=sys.stderr)
-        return 2
+        raise GenerateError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_prompt(args.prompt)
 
     model, tok = load_model(args.model)
     model.eval()
@@ -98,30 +159,36 @@ def run(args: argparse.Namespace) -> int:
     if looped:
         if args.depth is not None:
             if not 1 <= args.depth <= D:
-                print(f"error: --depth must lie in 1..{D} (the model's max_depth), got {args.depth}", file=sys.stderr)
-                return 2
+                raise GenerateError(f"--depth must lie in 1..{D} (the model's max_depth), got {args.depth}")
             gen_kw["depth"] = args.depth
         elif args.exit in ("kl", "state"):
             gen_kw.update(exit_policy=args.exit, exit_threshold=args.threshold)
         if args.taps:
             gen_kw["step_schedule"] = "taps"
     elif args.depth not in (None, 1) or args.exit in ("kl", "state") or args.taps:
-        print(
-            f"error: {args.model} is a base (non-looped) model; --depth/--exit/--taps need a looped checkpoint "
-            "(make one with `retrofit convert`)",
-            file=sys.stderr,
+        raise GenerateError(
+            f"{args.model} is a base (non-looped) model; --depth/--exit/--taps need a looped checkpoint "
+            "(make one with `retrofit convert`)"
         )
-        return 2
 
     if args.chat:
         if not getattr(tok, "chat_template", None):
-            print("error: --chat needs a tokenizer with a chat template", file=sys.stderr)
-            return 2
+            raise GenerateError("--chat needs a tokenizer with a chat template")
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False)
         enc = tok(text, return_tensors="pt", add_special_tokens=False)
     else:
         enc = tok(args.prompt, return_tensors="pt")
-    enc = {k: v.to(model.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+    context = getattr(model.config, "max_position_embeddings", None)
+    ids, dropped = fit_context(enc["input_ids"], context, args.max_new_tokens, args.truncate)
+    if dropped:
+        logger.warning("--truncate: dropped the first %d prompt tokens to fit the context of %d", dropped, context)
+        print(f"(--truncate: dropped the first {dropped} of {enc['input_ids'].shape[1]} prompt tokens)")
+    enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    enc = {k: v.to(model.device) for k, v in enc.items()}
+    from .memory import check_generation_memory
+
+    check_generation_memory(model, 1, ids.shape[1], args.max_new_tokens,
+                            readout=(model.halting.needs_depth_readout or args.exit == "kl") if looped else False)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.sample else {"do_sample": False}
     if args.sample:
         torch.manual_seed(args.seed)

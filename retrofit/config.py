@@ -15,8 +15,11 @@ trainer (``retrofit.training``), whose loss-weight flags override the fields her
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import RetrofitUserError
 
 METHODS = ("tah2", "anira-e", "anira-o", "fixed")
 ATTENTION_MODES = ("duo-causal", "same-depth")
@@ -32,8 +35,27 @@ DEFAULT_ATTENTION = {
 }
 
 
-class LoopConfigError(ValueError):
+#: Upper bound of ``max_depth``. Every depth keeps its own K/V for the core layers in the cache and,
+#: in training, its own activations and next-token logits ``[B, T, V]``, so memory and time grow
+#: linearly with the depth; the looped-model papers train at 2-8 (TaH2, ANIRA) and at most 32 on
+#: average (Huginn). 64 leaves room for test-time extrapolation; raise it here if you really need more.
+MAX_DEPTH = 64
+
+
+class LoopConfigError(RetrofitUserError, ValueError):
     """An invalid loop specification; the message says what was wrong and what is allowed."""
+
+
+class DepthError(RetrofitUserError, ValueError):
+    """A forced exit depth (``depth=``) of the wrong type, shape or range."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -137,11 +159,17 @@ class LoopConfig:
             raise LoopConfigError(
                 f"unknown attention mode {self.attention!r}; allowed: {', '.join(ATTENTION_MODES)}"
             )
-        if not isinstance(self.max_depth, int) or isinstance(self.max_depth, bool) or self.max_depth < 1:
+        if not _is_int(self.max_depth) or self.max_depth < 1:
             raise LoopConfigError(f"max_depth must be an integer >= 1, got {self.max_depth!r}")
-        if not isinstance(self.prelude, int) or self.prelude < 0:
+        if self.max_depth > MAX_DEPTH:
+            raise LoopConfigError(
+                f"max_depth={self.max_depth} is above the limit of {MAX_DEPTH}: every depth keeps its own K/V and, in "
+                f"training, its own activations and logits, so memory and time grow linearly with it (the papers use "
+                f"2-32); use max_depth <= {MAX_DEPTH}"
+            )
+        if not _is_int(self.prelude) or self.prelude < 0:
             raise LoopConfigError(f"prelude must be an integer >= 0 (number of leading layers), got {self.prelude!r}")
-        if self.core is not None and (not isinstance(self.core, int) or self.core < 1):
+        if self.core is not None and (not _is_int(self.core) or self.core < 1):
             raise LoopConfigError(f"core must be None (all remaining layers) or an integer >= 1, got {self.core!r}")
         if self.train_decisions not in ("threshold", "sample"):
             raise LoopConfigError(
@@ -149,16 +177,21 @@ class LoopConfig:
             )
         for name in ("exit_threshold", "halt_threshold"):
             v = getattr(self, name)
-            if not 0.0 < v < 1.0:
-                raise LoopConfigError(f"{name} must lie strictly between 0 and 1, got {v!r}")
-        if self.decider_top_k < 1:
-            raise LoopConfigError(f"decider_top_k must be >= 1, got {self.decider_top_k!r}")
+            if not _is_number(v) or not 0.0 < v < 1.0:
+                raise LoopConfigError(f"{name} must be a number strictly between 0 and 1, got {v!r}")
+        if not _is_int(self.decider_top_k) or self.decider_top_k < 1:
+            raise LoopConfigError(f"decider_top_k must be an integer >= 1, got {self.decider_top_k!r}")
         for name in ("updater_hidden", "decider_hidden"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and (not _is_int(v) or v < 1):
                 raise LoopConfigError(f"{name} must be None or a positive integer, got {v!r}")
-        if self.gumbel_tau <= 0:
-            raise LoopConfigError(f"gumbel_tau must be > 0, got {self.gumbel_tau!r}")
+        if not _is_number(self.gumbel_tau) or not self.gumbel_tau > 0:
+            raise LoopConfigError(f"gumbel_tau must be a number > 0, got {self.gumbel_tau!r}")
+        if not _is_number(self.deep_init_logit) or not math.isfinite(self.deep_init_logit):
+            raise LoopConfigError(f"deep_init_logit must be a finite number, got {self.deep_init_logit!r}")
+        for name in ("mixture_output", "fixed_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise LoopConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         try:
             self.loss_config  # noqa: B018  (validates the loss weights)
         except ValueError as e:
@@ -203,3 +236,43 @@ class LoopConfig:
         if unknown:
             raise LoopConfigError(f"unknown LoopConfig fields {sorted(unknown)}; allowed: {sorted(known)}")
         return cls(**d)
+
+
+def validate_depth(depth, batch: int, seq: int, max_depth: int):
+    """Check a forced exit depth (the ``depth=`` argument of the looped forward and ``generate``).
+
+    Args:
+        depth: None, an int, or a ``[B, T]`` tensor of an *integer* dtype; values in ``1 … max_depth``.
+        batch, seq: ``B`` and ``T`` of the input.
+        max_depth: ``D``.
+
+    Returns:
+        None, or a ``[B, T]`` long tensor (an int is broadcast; ``batch``/``seq`` decide the shape).
+
+    Raises:
+        DepthError: a float or bool tensor (1.7 would silently become 1), a bool, a wrong shape, or a
+            value outside ``1 … max_depth``.
+    """
+    if depth is None:
+        return None
+    import torch
+
+    if _is_int(depth):
+        if not 1 <= depth <= max_depth:
+            raise DepthError(f"depth={depth} is out of range: allowed 1..{max_depth} (max_depth)")
+        return torch.full((batch, seq), depth, dtype=torch.long)
+    if isinstance(depth, torch.Tensor):
+        if depth.dtype.is_floating_point or depth.dtype.is_complex or depth.dtype == torch.bool:
+            raise DepthError(
+                f"a depth tensor must have an integer dtype (depths are whole iterations), got {depth.dtype}; "
+                "round it yourself and pass .long()"
+            )
+        if tuple(depth.shape) != (batch, seq):
+            raise DepthError(f"a depth tensor must have shape [B, T] = {(batch, seq)}, got {tuple(depth.shape)}")
+        depth = depth.long()
+        if depth.numel() and (bool((depth < 1).any()) or bool((depth > max_depth).any())):
+            raise DepthError(
+                f"depth values must lie in 1..{max_depth} (max_depth); got min {int(depth.min())}, max {int(depth.max())}"
+            )
+        return depth
+    raise DepthError(f"depth must be None, an int or a [B, T] integer tensor, got {type(depth).__name__}")

@@ -15,11 +15,15 @@ modeling code, tokenizer files, ``generation_config.json`` and a model card (``R
 The modeling code is bundled by ``retrofit.bundle`` (flat files with rewritten imports, an entry
 module that prefers an installed retrofit's own classes, no TRL integration).
 
-Atomicity
----------
+Atomicity and safety
+--------------------
 Everything is written into a temporary folder next to ``--out`` and renamed into place at the
-end; a failure removes the temporary folder and leaves ``--out`` as it was. A non-empty ``--out``
-is refused unless ``--overwrite``.
+end; a failure removes the temporary folder and leaves ``--out`` as it was. ``--out`` may not be,
+contain or lie inside the checkpoint (nor be or contain its training run folder), and a non-empty
+``--out`` is replaced only with ``--overwrite`` and only when retrofit wrote it (its
+``.retrofit-output`` marker, ``retrofit.output_paths``). The checkpoint's weights are checked
+(safetensors headers and sizes) before loading, and an unreadable evaluation file is left out of
+the card with a warning.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from pathlib import Path
 from huggingface_hub import HfApi
 
 from .bundle import ENTRY, PACKAGE, BundleError, bundle_modules, flat_name, write_remote_code  # noqa: F401
+from .errors import RetrofitUserError
+from .output_paths import MARKER, OutputTargetError, check_output_folder, write_marker
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +58,7 @@ TOKENIZER_FILES = (
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
-class ExportError(RuntimeError):
+class ExportError(RetrofitUserError, RuntimeError):
     """The checkpoint cannot be exported (the message says why and what to do)."""
 
 
@@ -84,15 +90,24 @@ def _has_tokenizer(folder: Path) -> bool:
     return any((folder / f).is_file() for f in TOKENIZER_FILES)
 
 
-def load_checkpoint(ckpt: str | Path, tokenizer: str | Path | None = None):
-    """Load a looped checkpoint folder -> ``(model, tokenizer or None, folder)``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_checkpoint(ckpt: str | Path, tokenizer: str | Path | None = None, *, folder: Path | None = None):
+    """Load a looped checkpoint folder -> ``(model, tokenizer or None, folder)``.
+
+    The weights are checked first (``retrofit.checkpointing.validate_weights``), so a truncated or
+    corrupt ``model.safetensors`` is a one-line ``InvalidCheckpointError``, not a loader traceback.
+    ``folder``: ``resolve_checkpoint(ckpt)`` when the caller already has it.
+    """
+    from transformers import AutoModelForCausalLM
 
     import retrofit  # noqa: F401  (registers the looped classes)
 
+    from .checkpointing import validate_weights
+    from .loading import load_tokenizer
     from .modeling import LoopedForCausalLM
 
-    folder = resolve_checkpoint(ckpt)
+    folder = resolve_checkpoint(ckpt) if folder is None else Path(folder)
+    if not validate_weights(folder):
+        raise ExportError(f"{folder} holds no model.safetensors (nor an index of shards); retrofit exports safetensors checkpoints")
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto")
     if not isinstance(model, LoopedForCausalLM):
         raise ExportError(
@@ -100,24 +115,50 @@ def load_checkpoint(ckpt: str | Path, tokenizer: str | Path | None = None):
             f"`retrofit convert --model {folder} --out LOOPED_DIR ...`"
         )
     tok_src = tokenizer if tokenizer is not None else (folder if _has_tokenizer(folder) else (Path(ckpt) if _has_tokenizer(Path(ckpt)) else None))
-    tok = AutoTokenizer.from_pretrained(str(tok_src)) if tok_src is not None else None
+    tok = load_tokenizer(str(tok_src)) if tok_src is not None else None
     return model.eval(), tok, folder
 
 
 # ================================================================================================
 # Export
 # ================================================================================================
-def _check_target(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"--out {out} is not empty; pass --overwrite (overwrite=True) to replace it")
+def _check_target(out: Path, overwrite: bool, inputs=()) -> Path:
+    """``retrofit.output_paths.check_output_folder`` as an ``ExportError``: ``out`` may not overlap ``inputs``,
+    and a non-empty ``out`` is replaced only with ``overwrite`` and only when retrofit wrote it."""
+    try:
+        return check_output_folder(out, inputs, overwrite=overwrite)
+    except OutputTargetError as e:
+        raise ExportError(str(e)) from e
+
+
+def _read_eval_summary(source: Path):
+    """The source's evaluation summary for the card, or None (with a warning) when a file is unreadable."""
+    from .model_card import read_eval_summary
+
+    try:
+        return read_eval_summary(source)
+    except (ValueError, OSError) as e:
+        logger.warning("ignoring the evaluation files of %s for the model card: %s", source, e)
+        return None
+
+
+def _readable_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is replaced only once ``tmp`` is complete."""
+    """Rename ``tmp`` to ``out``; an existing ``out`` is replaced only once ``tmp`` is complete (and
+    on disk: its files are ``fsync``-ed before the rename, the parent folder after it)."""
+    from .checkpointing import _fsync_dir, fsync_tree
+
+    fsync_tree(tmp)
     if not out.exists():
         os.replace(tmp, out)
+        _fsync_dir(out.parent)
         return
     trash = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
     os.replace(out, trash)
@@ -126,6 +167,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     except BaseException:
         os.replace(trash, out)
         raise
+    _fsync_dir(out.parent)
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -162,22 +204,20 @@ def export_model(
     from .model_card import (
         EVAL_FILES,
         card_metadata,
-        read_eval_summary,
         render_model_card,
     )
     from .modeling import LoopedForCausalLM
 
     if not isinstance(model, LoopedForCausalLM):
         raise ExportError(f"export needs a looped model (retrofit.convert output), got {type(model).__name__}")
-    out = Path(out).resolve()
-    _check_target(out, overwrite)
+    out = _check_target(Path(out), overwrite, [source])
     out.parent.mkdir(parents=True, exist_ok=True)
     src_meta = card_metadata(source) if source is not None else {}
     base_model = base_model or getattr(model.config, "retrofit_base_model", None) or src_meta.get("base_model")
     if isinstance(base_model, list):
         base_model = base_model[0] if base_model else None
     license = license or getattr(model.config, "retrofit_base_license", None) or src_meta.get("license")
-    eval_summary = read_eval_summary(source) if source is not None else None
+    eval_summary = _read_eval_summary(Path(source)) if source is not None else None
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -206,7 +246,10 @@ def export_model(
         if source is not None:
             for name in EVAL_FILES:
                 if (Path(source) / name).is_file():
-                    shutil.copyfile(Path(source) / name, tmp / name)
+                    if _readable_json(Path(source) / name):
+                        shutil.copyfile(Path(source) / name, tmp / name)
+                    else:
+                        logger.warning("not copying %s: it is not valid JSON (a truncated write?)", Path(source) / name)
         card = render_model_card(
             model.config,
             parameter_report(model),
@@ -218,6 +261,7 @@ def export_model(
             has_tokenizer=tokenizer is not None,
         )
         (tmp / "README.md").write_text(card, encoding="utf-8")
+        write_marker(tmp, "retrofit export")
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -227,7 +271,8 @@ def export_model(
 
 def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, token: str | None = None,
                 commit_message: str | None = None, api: HfApi | None = None):
-    """Upload an exported folder: ``create_repo(..., exist_ok=True)`` then ``upload_folder``.
+    """Upload an exported folder: ``create_repo(..., exist_ok=True)`` then ``upload_folder`` (without
+    retrofit's local ``.retrofit-output`` marker).
 
     Returns:
         ``upload_folder``'s commit info.
@@ -238,6 +283,7 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, toke
         repo_id=repo_id,
         folder_path=str(folder),
         repo_type="model",
+        ignore_patterns=[MARKER],
         commit_message=commit_message or "Upload looped model exported with retrofit",
     )
 
@@ -269,9 +315,9 @@ def export(
     Returns:
         ``out`` as a ``Path``.
     """
-    out = Path(out).resolve()
-    _check_target(out, overwrite)  # before the (slow) load
-    model, tok, folder = load_checkpoint(ckpt, tokenizer)
+    source = resolve_checkpoint(ckpt)
+    out = _check_target(Path(out), overwrite, [ckpt, source, tokenizer])  # before the (slow) load
+    model, tok, folder = load_checkpoint(ckpt, tokenizer, folder=source)
     if tok is None:
         logger.warning("no tokenizer files in %s; exporting without a tokenizer (pass --tokenizer)", ckpt)
     export_model(model, out, tokenizer=tok, source=folder, overwrite=overwrite, base_model=base_model,
@@ -302,8 +348,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    """Entry point of ``retrofit export``; user errors raise ``ExportError`` (one line via ``retrofit.cli``)."""
     if args.private and not args.push_to_hub:
-        raise SystemExit("--private only applies with --push-to-hub REPO_ID")
+        raise ExportError("--private only applies with --push-to-hub REPO_ID")
     try:
         out = export(
             args.ckpt,
@@ -315,7 +362,7 @@ def run(args) -> int:
             base_model=args.base_model,
             license=args.license,
         )
-    except (ExportError, BundleError) as e:
-        raise SystemExit(f"retrofit export: {e}") from None
+    except BundleError as e:
+        raise ExportError(f"cannot bundle the modeling code: {e}") from e
     print(f"exported to {out}" + (f" and pushed to {args.push_to_hub}" if args.push_to_hub else ""))
     return 0

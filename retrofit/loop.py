@@ -48,6 +48,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from .config import validate_depth
 from .schedulers import UnitStep
 
 
@@ -267,22 +268,13 @@ class PolicyExit(ExitRule):
 
 
 def forced_depths(depth, B: int, T: int, device, max_depth: int) -> torch.Tensor | None:
-    """Validate ``depth=`` (None, an int or a ``[B, T]`` tensor, each in ``1 … max_depth``) -> ``[B, T]``."""
-    if depth is None:
-        return None
-    D = max_depth
-    if isinstance(depth, int) and not isinstance(depth, bool):
-        if not 1 <= depth <= D:
-            raise ValueError(f"depth={depth} is out of range: allowed 1..{D} (max_depth)")
-        return torch.full((B, T), depth, dtype=torch.long, device=device)
-    if isinstance(depth, torch.Tensor):
-        if depth.shape != (B, T):
-            raise ValueError(f"a depth tensor must have shape [B, T] = {(B, T)}, got {tuple(depth.shape)}")
-        depth = depth.to(device).long()
-        if bool((depth < 1).any()) or bool((depth > D).any()):
-            raise ValueError(f"depth values must lie in 1..{D} (max_depth); got min {int(depth.min())}, max {int(depth.max())}")
-        return depth
-    raise TypeError(f"depth must be None, an int or a [B, T] LongTensor, got {type(depth).__name__}")
+    """Validate ``depth=`` -> ``[B, T]`` long on ``device`` (None stays None).
+
+    ``depth``: None, an int, or a ``[B, T]`` tensor of an integer dtype, each in ``1 … max_depth``
+    (``retrofit.config.validate_depth``: a float tensor such as 1.7 is a ``DepthError``, never truncated).
+    """
+    depth = validate_depth(depth, B, T, max_depth)
+    return None if depth is None else depth.to(device)
 
 
 def exit_rule_for(depth: torch.Tensor | None, policy) -> ExitRule:

@@ -34,6 +34,7 @@ from .config import LoopConfig, LoopConfigError
 from .families import FAMILIES, Family
 from .generation import looped_generate
 from .halting import build_halting
+from .halting.base import AuxLoss
 from .halting.training_free import resolve_exit_policy
 from .heads import Updater, init_tagged
 from .loop import exit_rule_for, forced_depths, run_depth_loop, shifted_labels
@@ -340,7 +341,13 @@ class LoopedForCausalLM(PreTrainedModel):
             loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "shift_labels", "ignore_index")}
             out.loss = self.loss_function(logits=out.logits, labels=labels, vocab_size=self.config.vocab_size,
                                           **loss_kwargs)
-            aux = self.halting.loss(out, labels, self.loop.loss_config, attention_mask) if want_aux else None
+            aux = None
+            if want_aux and not _halting_signals_finite(out):
+                # diverged decider weights: TaH2's BCE raises on NaN input, so no op runs on them; a NaN
+                # loss instead, which a trainer's NaN stop names (retrofit.training._check_finite)
+                aux = AuxLoss(torch.full((), float("nan"), device=out.loss.device), {})
+            elif want_aux:
+                aux = self.halting.loss(out, labels, self.loop.loss_config, attention_mask)
             if aux is not None:
                 out.aux_loss, out.aux_metrics = aux.loss, aux.metrics
                 out.loss = out.loss + getattr(self.config, "router_aux_loss_coef", 1.0) * aux.loss
@@ -361,6 +368,14 @@ class LoopedForCausalLM(PreTrainedModel):
         if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
             model_kwargs["cache"] = DepthKVCache(self.config)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+
+def _halting_signals_finite(out: LoopedCausalLMOutput) -> bool:
+    """The decider's outputs (``halt_signals``, ``depth_logits_q``) hold no NaN/inf (True when absent)."""
+    for t in (out.halt_signals, out.depth_logits_q):
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+            return False
+    return True
 
 
 class LoopedLlamaForCausalLM(LoopedForCausalLM, GenerationMixin):

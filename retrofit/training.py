@@ -20,9 +20,18 @@ TensorBoard writer active it also writes a ``depth_histogram``.
 Robustness:
 
 - a NaN/inf training loss raises ``NonFiniteLossError`` naming the step *before* the backward
-  pass, so no bad update is applied and the last checkpoint on disk is the last good one;
-- checkpoints are staged and renamed into place (``retrofit.checkpointing``): an interrupted save
-  never leaves a ``checkpoint-N`` folder behind;
+  pass; the loss and the halting signals are checked right after the forward too (``_check_finite``).
+  The forward itself never runs the decider's BCE (which raises on NaN input) on non-finite signals:
+  its auxiliary loss is then NaN (``retrofit.modeling``), which this check names. Weights, gradients and the
+  optimizer state are checked before every checkpoint (and the final model) is written: a
+  non-finite checkpoint is never written, and the error names the last checkpoint on disk whose
+  weights are finite (``retrofit.checkpointing.last_finite_checkpoint``);
+- checkpoints are staged, ``fsync``-ed and renamed into place (``retrofit.checkpointing``): an
+  interrupted save never leaves a ``checkpoint-N`` folder behind. ``train(resume_from_checkpoint=...)``
+  validates the checkpoint first (``_resolve_resume``): ``True`` takes the newest *valid* one,
+  skipping broken ones with a warning; an explicit broken path is a one-line error naming why;
+- the run's ``output_dir`` may not be, contain or lie inside the model it starts from (the run
+  replaces ``final/`` and rotates ``checkpoint-N/``);
 - bad rows (missing columns, empty completions, rows longer than ``max_length``) are a clear error
   or a counted, logged skip (``format_sft_dataset`` and the trainer's length filter).
 """
@@ -40,9 +49,19 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import SFTConfig, SFTTrainer
 
-from .checkpointing import STAGING_PREFIX, commit, last_checkpoint, remove_stale_staging, staging_path
+from .checkpointing import (
+    STAGING_PREFIX,
+    InvalidCheckpointError,
+    checkpoint_problems,
+    commit,
+    last_checkpoint,
+    last_finite_checkpoint,
+    remove_stale_staging,
+    staging_path,
+)
 from .config import LoopConfig
 from .config import LOSS_FIELDS
+from .errors import RetrofitUserError
 from .halting.base import AuxLoss, LossConfig
 from .halting.tah2 import next_token_mask
 from .modeling import LoopedForCausalLM
@@ -50,11 +69,12 @@ from .modeling import LoopedForCausalLM
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite; training stopped before the optimizer step."""
+class NonFiniteLossError(RetrofitUserError, RuntimeError):
+    """The training loss, the halting signals or the weights became NaN or infinite; training stopped
+    (before the optimizer step, or before writing a checkpoint)."""
 
 
-class BadDataError(ValueError):
+class BadDataError(RetrofitUserError, ValueError):
     """The dataset cannot be used for SFT; the message says what is wrong and what is expected."""
 
 
@@ -287,6 +307,26 @@ def build_looped_model(spec: str, loop: LoopConfig, dtype=None):
     return convert(base, loop), tok
 
 
+def _no_eval_without_eval_set(args, eval_dataset) -> None:
+    """Turn periodic evaluation off, with a warning, when there is no evaluation set.
+
+    A preset that evaluates every N steps (``eval_strategy: steps``) then still runs with
+    ``--data_file`` and no ``--eval_file`` (the recipes' documented smoke commands) instead of
+    failing in ``Trainer.__init__``. With ``load_best_model_at_end`` evaluation is needed: a clear error.
+    """
+    from transformers.trainer_utils import IntervalStrategy
+
+    if eval_dataset is not None or args.eval_strategy in (None, IntervalStrategy.NO, "no"):
+        return
+    if args.load_best_model_at_end:
+        raise BadDataError(
+            "load_best_model_at_end needs an evaluation set, and none was given (--eval_file, or --n_eval > 0 for a task)"
+        )
+    logger.warning("no evaluation set: turning off periodic evaluation (eval_strategy %s -> no)", args.eval_strategy)
+    args.eval_strategy = IntervalStrategy.NO
+    args.do_eval = False
+
+
 def _unwrap_looped(model) -> LoopedForCausalLM:
     from peft import PeftModel
 
@@ -325,6 +365,7 @@ class RetrofitSFTTrainer(SFTTrainer):
         # TRL truncates long rows silently (which would cut answers); prepare untruncated, then drop
         # and count the rows that do not fit. With packing, max_length is the pack size: keep it.
         self._max_length = args.max_length if not args.packing else None  # None: TRL handles length
+        _no_eval_without_eval_set(args, kwargs.get("eval_dataset", pargs[2] if len(pargs) > 2 else None))
         with self._untruncated(args):
             super().__init__(model, args, *pargs, **kwargs)
         self.train_dataset = self._drop_bad_rows(self.train_dataset, "train")
@@ -434,6 +475,10 @@ class RetrofitSFTTrainer(SFTTrainer):
         scale = 1
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             scale = self.accelerator.num_processes // self.get_tp_size()
+        if mode == "train":
+            # before anything reads the outputs further. The forward already turned a non-finite decider
+            # into a NaN auxiliary loss instead of running TaH2's BCE on it (which raises on NaN input)
+            self._check_finite(ntp, outputs=outputs)
         # the auxiliary loss is a per-micro-batch mean: when num_items_in_batch is given the Trainer no
         # longer divides by the accumulation steps, so we do (as TRL does for the MoE aux loss)
         steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None and mode == "train" else 1
@@ -447,21 +492,147 @@ class RetrofitSFTTrainer(SFTTrainer):
         self._record_metrics(mode, outputs, labels, attention_mask, aux, num_items_in_batch, ntp)
         return (loss, outputs) if return_outputs else loss
 
-    def _check_finite(self, loss, ntp, aux) -> None:
-        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+    def _check_finite(self, loss, ntp=None, aux=None, outputs=None) -> None:
+        """Stop training when the loss (or the halting signals) is NaN/inf, on every process together.
+
+        Where ``compute_loss`` must call it (train mode), so that no operation ever sees a
+        non-finite input it would raise on and no bad update is applied:
+
+        1. right after the model's forward: ``self._check_finite(ntp, outputs=outputs)``. The forward
+           computes the method's auxiliary loss itself; on non-finite halting signals it returns a NaN
+           ``aux_loss`` instead of running TaH2's BCE (which raises "all elements of input should be
+           between 0 and 1" on a NaN continue probability), so this check names the signals;
+        2. on the total loss, before it is returned to the backward pass:
+           ``self._check_finite(loss, ntp, aux)``.
+
+        Args:
+            loss: the scalar to check (the next-token loss in call 1, the total loss in call 2).
+            ntp, aux: the next-token loss and the method's ``AuxLoss``, for the message.
+            outputs: the forward's output; its ``halt_signals`` and ``depth_logits_q`` are checked too
+                (``depth_nll`` and ``depth_logits`` hold NaN by design where a depth did not run).
+
+        Raises:
+            NonFiniteLossError: naming the step, what was non-finite, whether the weights already
+                are (an earlier update diverged), and the last checkpoint whose weights are finite.
+        """
+        bad_parts = []
+        if not bool(torch.isfinite(loss.detach()).all()):
+            bad_parts.append("loss")
+        if outputs is not None:
+            for name in ("halt_signals", "depth_logits_q"):
+                t = getattr(outputs, name, None)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+                    bad_parts.append(name)
+        bad = torch.tensor([float(len(bad_parts) > 0)], device=loss.device)
         if self.accelerator.num_processes > 1:
             # every rank must stop together, or the others hang in the next collective
             bad = self.accelerator.reduce(bad, reduction="sum")
+        if not bool(bad.item() > 0):
+            return
+        step = self.state.global_step + 1
+        ntp = loss if ntp is None else ntp
+        parts = f"next-token loss {ntp.detach().float().mean().item():.6g}"
+        if aux is not None:
+            parts += f", auxiliary loss {aux.loss.detach().float().item():.6g}"
+        if "halt_signals" in bad_parts or "depth_logits_q" in bad_parts:
+            parts += ", non-finite halting signals"
+        if not bad_parts:
+            parts = "finite here; another process saw a non-finite value"
+        weights = self._nonfinite_state(optimizer=False)
+        if weights:
+            cause = (f"The {' and '.join(weights)} are already non-finite: the update of step {step - 1} diverged, "
+                     "and training stopped before applying another.")
+        else:
+            cause = "Training stopped before the optimizer step, so no bad update was applied."
+        good = last_finite_checkpoint(self.args.output_dir)
+        raise NonFiniteLossError(
+            f"non-finite training loss at step {step} (epoch {self.state.epoch or 0:.3f}; {parts} on this "
+            f"process). {cause} Last checkpoint with finite weights: {good or 'none saved yet'}. Try a lower "
+            f"learning rate, gradient clipping (--max_grad_norm), fp32 instead of fp16, or check the data near this step."
+        )
+
+    @torch.no_grad()
+    def _nonfinite_state(self, optimizer: bool = True) -> list[str]:
+        """What holds NaN/inf on this process: ``"parameters"``, ``"gradients"``, ``"optimizer state"``.
+
+        Under DeepSpeed ZeRO-3 a parameter's local shard (``ds_tensor``) is checked.
+        """
+        found = []
+        params = list(self.model.parameters())
+
+        def finite(t) -> bool:
+            return t is None or not t.is_floating_point() or t.numel() == 0 or bool(torch.isfinite(t).all())
+
+        if not all(finite(getattr(p, "ds_tensor", p)) for p in params):
+            found.append("parameters")
+        if not all(finite(p.grad) for p in params):
+            found.append("gradients")
+        if optimizer and self.optimizer is not None:
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)
+            state = getattr(inner, "state", None)
+            if isinstance(state, dict):
+                for st in state.values():
+                    if isinstance(st, dict) and not all(finite(v) for v in st.values() if isinstance(v, torch.Tensor)):
+                        found.append("optimizer state")
+                        break
+        return found
+
+    def _refuse_nonfinite_save(self, what: str) -> None:
+        """Raise ``NonFiniteLossError`` (on every process) instead of writing non-finite weights or state."""
+        found = self._nonfinite_state()
+        bad = torch.tensor([float(bool(found))], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            bad = self.accelerator.reduce(bad, reduction="sum")
         if bool(bad.item() > 0):
-            step = self.state.global_step + 1
-            good = last_checkpoint(self.args.output_dir)
-            parts = f"next-token loss {ntp.item():.6g}" + (f", auxiliary loss {aux.loss.item():.6g}" if aux is not None else "")
+            good = last_finite_checkpoint(self.args.output_dir)
             raise NonFiniteLossError(
-                f"non-finite training loss at step {step} (epoch {self.state.epoch or 0:.3f}; {parts} on this "
-                f"process). Training stopped before the optimizer step, so no bad update was applied. Last good "
-                f"checkpoint: {good or 'none saved yet'}. Try a lower learning rate, gradient clipping "
-                f"(--max_grad_norm), fp32 instead of fp16, or check the data near this step."
+                f"the {' and '.join(found) or 'state on another process'} became non-finite (NaN/inf) by step "
+                f"{self.state.global_step}; not writing {what}. Last checkpoint with finite weights: "
+                f"{good or 'none saved yet'}. Try a lower learning rate, gradient clipping (--max_grad_norm), or fp32 "
+                f"instead of fp16."
             )
+
+    # -- resume ------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``Trainer.train`` after ``_resolve_resume``: the resume checkpoint is validated first."""
+        return super().train(self._resolve_resume(resume_from_checkpoint), *args, **kwargs)
+
+    def _resolve_resume(self, resume_from_checkpoint):
+        """Validate what ``train`` will resume from, and the run's output folder.
+
+        - ``True``: the newest *valid* ``checkpoint-N`` of ``output_dir``; broken ones are skipped with a
+          warning naming why (``retrofit.checkpointing.last_checkpoint``); none valid is an error.
+        - a path: it must pass ``checkpoint_problems`` (safetensors headers and sizes, optimizer and
+          scheduler loadable, ``trainer_state.json`` parsable), else ``InvalidCheckpointError`` naming
+          the problems and the newest valid checkpoint next to it.
+        - ``output_dir`` may not be, contain or lie inside the folder the model was loaded from.
+        """
+        from .output_paths import OutputTargetError, relation
+
+        source = getattr(self._looped.config, "_name_or_path", None)
+        if source and os.path.isdir(source) and self.args.output_dir:
+            rel = relation(self.args.output_dir, source)
+            if rel is not None:
+                raise OutputTargetError(
+                    f"--output_dir {os.path.abspath(self.args.output_dir)} {rel} the model folder {os.path.abspath(source)} "
+                    "this run starts from; the run writes checkpoint-N/ and final/ there and deletes old checkpoints. "
+                    "Choose another --output_dir"
+                )
+        if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            return None
+        if resume_from_checkpoint is True:
+            found = last_checkpoint(self.args.output_dir)
+            if found is None:
+                raise InvalidCheckpointError(f"no valid checkpoint-N folder to resume from in {self.args.output_dir}")
+            return found
+        problems = checkpoint_problems(resume_from_checkpoint)
+        if problems:
+            alt = last_checkpoint(os.path.dirname(os.path.abspath(resume_from_checkpoint)))
+            raise InvalidCheckpointError(
+                f"cannot resume from {resume_from_checkpoint}: {'; '.join(problems)}"
+                + (f"; the newest valid checkpoint next to it is {alt}" if alt else "")
+            )
+        return resume_from_checkpoint
 
     @torch.no_grad()
     def _record_metrics(self, mode, outputs, labels, attention_mask, aux: AuxLoss | None, num_items_in_batch, ntp):
@@ -560,6 +731,8 @@ class RetrofitSFTTrainer(SFTTrainer):
         return super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial):
+        # never write (nor later name as good) a checkpoint whose weights or optimizer state are NaN/inf
+        self._refuse_nonfinite_save(f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if not self.args.atomic_checkpoints:
             return super()._save_checkpoint(model, trial)
         run_dir = super()._get_output_dir(trial)
@@ -570,7 +743,7 @@ class RetrofitSFTTrainer(SFTTrainer):
             shutil.rmtree(root)
         self.accelerator.wait_for_everyone()
         # the Trainer writes <run_dir>/checkpoint-N; pointing run_dir at the staging root makes it
-        # write <root>/checkpoint-N, which we rename into place once every rank is done
+        # write <root>/checkpoint-N, which we fsync and rename into place once every rank is done
         self._staging_root = root
         try:
             super()._save_checkpoint(model, trial)
@@ -592,7 +765,9 @@ class RetrofitSFTTrainer(SFTTrainer):
         self.accelerator.wait_for_everyone()
 
     def save_model_atomic(self, output_dir: str) -> None:
-        """``save_model`` into a staging folder, renamed to ``output_dir`` once complete (all ranks call it)."""
+        """``save_model`` into a staging folder, ``fsync``-ed and renamed to ``output_dir`` once complete
+        (all ranks call it). Refuses (``NonFiniteLossError``) to write non-finite weights."""
+        self._refuse_nonfinite_save(str(output_dir))
         tmp = str(staging_path(output_dir))
         if self.args.should_save and os.path.exists(tmp):
             shutil.rmtree(tmp)

@@ -73,9 +73,10 @@ def test_convert_folder_records_provenance_and_feeds_export(tmp_path):
         (["--max-depth", "0"], "max_depth must be an integer >= 1"),
     ],
 )
-def test_bad_loop_specs_are_clear_errors(tmp_path, argv, message):
-    with pytest.raises(SystemExit, match=message):
-        main(["convert", "--model", "tiny-llama", "--out", str(tmp_path / "o"), *argv])
+def test_bad_loop_specs_are_clear_errors(tmp_path, capsys, argv, message):
+    assert main(["convert", "--model", "tiny-llama", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
 
 
@@ -85,18 +86,25 @@ def test_bad_method_is_rejected_by_the_parser(tmp_path, capsys):
     assert "invalid choice: 'magic'" in capsys.readouterr().err
 
 
-def test_refuses_non_empty_out_and_looped_input(tmp_path):
+def test_refuses_non_empty_out_and_looped_input(tmp_path, capsys):
     out = tmp_path / "o"
     out.mkdir()
     (out / "x").write_text("keep")
-    with pytest.raises(SystemExit, match="not empty"):
-        main(["convert", "--model", "tiny-llama", "--out", str(out)])
-    assert main(["convert", "--model", "tiny-llama", "--out", str(out), "--overwrite"]) == 0
-    assert not (out / "x").exists()
-    with pytest.raises(SystemExit, match="already a looped checkpoint"):
-        main(["convert", "--model", str(out), "--out", str(tmp_path / "o2")])
-    with pytest.raises(SystemExit, match="not found"):
-        main(["convert", "--model", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "o3")])
+    assert main(["convert", "--model", "tiny-llama", "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    # --overwrite replaces only a folder retrofit wrote: this one holds the user's file
+    assert main(["convert", "--model", "tiny-llama", "--out", str(out), "--overwrite"]) == 2
+    assert "only an empty folder or one written by retrofit" in capsys.readouterr().err
+    assert (out / "x").read_text() == "keep"
+    (out / "x").unlink()
+    assert main(["convert", "--model", "tiny-llama", "--out", str(out)]) == 0  # empty: fine
+    assert main(["convert", "--model", "tiny-llama", "--out", str(out), "--overwrite", "--max-depth", "3"]) == 0
+    assert json.loads((out / "config.json").read_text())["loop"]["max_depth"] == 3  # replaced: retrofit wrote it
+    capsys.readouterr()
+    assert main(["convert", "--model", str(out), "--out", str(tmp_path / "o2")]) == 2
+    assert "already a looped checkpoint" in capsys.readouterr().err
+    assert main(["convert", "--model", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "o3")]) == 2
+    assert "not found" in capsys.readouterr().err
 
 
 def test_identity_check_catches_a_mismatch():

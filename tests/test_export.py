@@ -6,6 +6,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -484,7 +485,14 @@ def test_refuses_non_empty_out_without_overwrite(tmp_path):
     with pytest.raises(ExportError, match="not empty.*--overwrite"):
         export_model(m, out)
     assert (out / "keep.txt").read_text() == "precious"
-    export_model(m, out, overwrite=True)
+    # --overwrite replaces only a folder retrofit wrote (retrofit.output_paths): not this one
+    with pytest.raises(ExportError, match="only an empty folder or one written by retrofit"):
+        export_model(m, out, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    export_model(m, out)
+    (out / "keep.txt").write_text("stale")
+    export_model(m, out, overwrite=True)  # an earlier export: replaced as a whole
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -505,9 +513,10 @@ def test_failure_never_leaves_a_half_written_folder(tmp_path, monkeypatch):
     old = tmp_path / "old"
     old.mkdir()
     (old / "keep.txt").write_text("precious")
+    (old / ".retrofit-output").write_text("{}")  # an earlier retrofit output: --overwrite may replace it
     with pytest.raises(RuntimeError, match="injected"):
         export_model(m, old, overwrite=True)
-    assert [p.name for p in old.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in old.iterdir()) == [".retrofit-output", "keep.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # no temp folder left behind
 
     # a failure at the very last step (the rename) also leaves the old folder intact
@@ -524,7 +533,7 @@ def test_failure_never_leaves_a_half_written_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(ex.os, "replace", flaky_replace)
     with pytest.raises(OSError, match="injected rename"):
         export_model(m, old, overwrite=True)
-    assert [p.name for p in old.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in old.iterdir()) == [".retrofit-output", "keep.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
 
 
@@ -563,11 +572,12 @@ def test_cli_export_push_to_hub_mocked(tmp_path, monkeypatch, capsys):
     assert "pushed to me/looped-tiny" in capsys.readouterr().out
     # a failed upload names the complete local folder and how to retry
     monkeypatch.setattr(FakeHfApi, "upload_folder", lambda self, **kw: (_ for _ in ()).throw(ConnectionError("no hub")))
-    with pytest.raises(SystemExit, match="exported to .*o_fail, but the upload to me/x failed.*no hub"):
-        main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o_fail"), "--push-to-hub", "me/x"])
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o_fail"), "--push-to-hub", "me/x"]) == 2
+    assert re.search(r"^error: exported to .*o_fail, but the upload to me/x failed.*no hub", capsys.readouterr().err, re.M)
     assert (tmp_path / "o_fail" / "model.safetensors").is_file()
     # --private needs --push-to-hub; a second export without --overwrite is refused, clearly
-    with pytest.raises(SystemExit, match="--private only applies"):
-        main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o2"), "--private"])
-    with pytest.raises(SystemExit, match="not empty"):
-        main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")])
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o2"), "--private"]) == 2
+    assert "--private only applies" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 2
+    assert "not empty" in capsys.readouterr().err

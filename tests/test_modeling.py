@@ -308,6 +308,26 @@ def test_bad_depth_arguments_raise():
         looped(ids, depth=torch.zeros_like(ids))
 
 
+def test_float_depth_tensor_is_refused_not_truncated():
+    """``depth=`` as a float tensor (1.7) used to become 1 through ``.long()``; now a DepthError naming integers."""
+    from retrofit.config import DepthError
+    from retrofit.errors import RetrofitUserError
+
+    looped = retrofit.convert(tiny_base("llama"), LoopConfig(max_depth=2)).eval()
+    ids = ids_for()
+    for bad in (torch.full(ids.shape, 1.7), torch.ones(ids.shape, dtype=torch.bool), torch.full(ids.shape, 2.0)):
+        with pytest.raises(DepthError, match=r"integer dtype.*\.long\(\)") as e:
+            looped(ids, depth=bad)
+        assert isinstance(e.value, RetrofitUserError) and isinstance(e.value, ValueError)
+    with pytest.raises(DepthError, match="must be None, an int"):
+        looped(ids, depth=1.0)
+    with torch.no_grad():  # an integer tensor of any integer dtype is accepted and means what it says
+        for dt in (torch.int32, torch.int64, torch.uint8):
+            out = looped(ids, depth=torch.full(ids.shape, 2, dtype=dt))
+            assert out.depths.eq(2).all(), dt
+        assert looped(ids, depth=1).depths.eq(1).all()
+
+
 def test_sliding_window_core_is_refused():
     base = tiny_base("qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=2)
     with pytest.raises(LoopConfigError, match="full-attention"):

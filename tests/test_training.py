@@ -335,12 +335,14 @@ def test_commit_and_atomic_dir(tmp_path):
 
 
 def test_last_checkpoint_ignores_staging_and_incomplete(tmp_path):
+    from safetensors.torch import save_file
+
     for step, complete in [(2, True), (5, False)]:
         d = tmp_path / f"checkpoint-{step}"
         d.mkdir()
-        if complete:
-            (d / "trainer_state.json").write_text("{}")
-            (d / "model.safetensors").write_bytes(b"")
+        if complete:  # last_checkpoint also validates what it finds (tests/test_reliability_checkpoints.py)
+            (d / "trainer_state.json").write_text('{"global_step": 2}')
+            save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
     (tmp_path / ".staging-checkpoint-9" / "checkpoint-9").mkdir(parents=True)
     assert last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
     assert not is_complete_checkpoint(tmp_path / "checkpoint-5")

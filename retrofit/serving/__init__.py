@@ -1,0 +1,14 @@
+"""Serving looped models: a continuous depth-wise batching engine and an OpenAI-compatible server.
+
+- ``engine.Engine``: request queue, token-level continuous batching, depth-wise batching of the core;
+- ``kv.PagedKV``: K/V in fixed-size blocks per (layer, depth), allocated from a memory budget;
+- ``layers``: base decoder layers run on flat rows over paged keys (per-family ops in one table);
+- ``methods.MethodAdapter``: the one module with method-specific calls (decider, exit rule, mixture);
+- ``sampling``: temperature, top-k, top-p, seed, stop strings;
+- ``server``: ``retrofit serve`` (FastAPI + uvicorn). See docs/serving.md.
+"""
+
+from .engine import Engine, Request
+from .sampling import SamplingParams
+
+__all__ = ["Engine", "Request", "SamplingParams"]

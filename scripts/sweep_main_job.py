@@ -1,0 +1,311 @@
+"""Search for a main-job configuration in which the looped model beats a same-budget plain fine-tune.
+
+Each configuration trains, in one process, on the embedded SmolLM2-135M-Instruct:
+
+- the looped arm (TaH2 by default),
+- the SFT control: the same base, data, data order, steps, learning rate and seed, as a plain causal LM
+  (trained once per distinct control setting and cached within the sweep),
+- optionally the fixed-depth control (the looped model forced to max depth for every token),
+
+and scores them on a *validation* split (rows disjoint from training and from the main job's test rows;
+configurations are never chosen on test rows). Accuracy is greedy exact match computed from one
+teacher-forced forward (a row is right iff every completion token, EOS included, is the argmax given the
+gold prefix; decisions are causal, so this equals greedy decoding). Prints one JSON line per configuration
+and writes a Markdown table.
+
+    OMP_NUM_THREADS=2 python scripts/sweep_main_job.py --grid default --out docs/sweeps/main_job.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from transformers import set_seed
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data_prep.tasks import _fresh_rows, build_splits, get_task  # noqa: E402
+from retrofit import LoopConfig, convert  # noqa: E402
+from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset  # noqa: E402
+
+
+@dataclass
+class Cfg:
+    name: str = "base"
+    task: str = "clrs_sorting"
+    train_levels: tuple = (4, 5, 6)
+    extrap_levels: tuple = (8,)
+    n_train: int = 400
+    n_valid: int = 60
+    steps: int = 240
+    batch: int = 8
+    lr: float = 1e-4
+    heads_lr_scale: float = 20.0
+    prelude: int = 20
+    core: int | None = 6
+    max_depth: int = 2
+    method: str = "tah2"
+    attention: str | None = None
+    deep_init_logit: float = 1.0
+    updater_base: str = "input"  # "state": x_{d+1} = h_d + U(e, h_d)
+    depth_warmup: int = 0  # first N steps run at forced max depth (decider still learns its labels)
+    freeze_prelude: bool = True
+    alpha_d: float = 0.05
+    updater_hidden: int | None = None
+    lora: bool = False
+    seed: int = 0
+    max_length: int = 96
+    arms: tuple = ("looped", "sft")
+
+
+_BASE = None
+
+
+def base_model():
+    global _BASE
+    if _BASE is None:
+        from retrofit.loading import load_model
+
+        _BASE = load_model("smollm2", dtype=torch.float32)
+    m, tok = _BASE
+    return copy.deepcopy(m), tok
+
+
+def splits_for(c: Cfg):
+    sp = build_splits(c.task, n_train=c.n_train, n_eval=100, seed=c.seed, train_levels=list(c.train_levels),
+                      extrap_levels=list(c.extrap_levels), interp_levels=[])
+    task = get_task(c.task)
+    seen = {task.dedup_key(r) for name in sp for r in sp[name]}
+    rows = []
+    for lv in [*c.train_levels, *c.extrap_levels]:
+        rows.extend(_fresh_rows(task, lv, c.n_valid, c.seed, "valid", seen))
+    return sp["train"], datasets.Dataset.from_list([{k: r[k] for k in ("prompt", "answer", "difficulty")} for r in rows])
+
+
+def freeze(model, n_prelude: int):
+    inner = model.model
+    inner.embed_tokens.weight.requires_grad_(False)
+    if model.lm_head.weight is not inner.embed_tokens.weight:
+        model.lm_head.weight.requires_grad_(False)
+    for layer in inner.layers[:n_prelude]:
+        layer.requires_grad_(False)
+
+
+def targs(c: Cfg, out: str) -> RetrofitSFTConfig:
+    return RetrofitSFTConfig(
+        output_dir=out, max_steps=c.steps, per_device_train_batch_size=c.batch, learning_rate=c.lr,
+        heads_lr_scale=c.heads_lr_scale, lr_scheduler_type="cosine", warmup_steps=0.05, weight_decay=0.0,
+        max_grad_norm=1.0, seed=c.seed, logging_steps=20, save_strategy="no", report_to="none",
+        max_length=c.max_length, alpha_d=c.alpha_d, train_sampling_strategy="sequential",
+        activation_checkpointing=False, use_cpu=True, disable_tqdm=True, depth_histogram=False,
+    )
+
+
+def train_arm(c: Cfg, arm: str, train):
+    set_seed(c.seed)
+    base, tok = base_model()
+    train = train.shuffle(seed=c.seed)  # one fixed order for every arm (sequential sampler)
+    train_fmt, _ = format_sft_dataset(train, chat=False)
+    if arm == "sft":
+        loop = LoopConfig(prelude=0, core=None, max_depth=1, method="fixed")
+    elif arm == "fixed":
+        loop = LoopConfig(prelude=c.prelude, core=c.core, max_depth=c.max_depth, method="fixed",
+                          attention=c.attention, updater_hidden=c.updater_hidden)
+    else:
+        loop = LoopConfig(prelude=c.prelude, core=c.core, max_depth=c.max_depth, method=c.method,
+                          attention=c.attention, deep_init_logit=c.deep_init_logit, updater_hidden=c.updater_hidden)
+    model = convert(base, loop)
+    if arm != "sft" and c.updater_base == "state":
+        import types
+
+        upd = model.updater
+
+        def fwd(self, e, h):
+            z = torch.cat([self.norm_e(e), self.norm_h(h)], dim=-1)
+            return h + self.w2(self.act(self.w1(z)))
+
+        upd.forward = types.MethodType(fwd, upd)
+    if c.freeze_prelude:
+        freeze(model, c.prelude)
+    args = targs(c, f"/tmp/sweep/{c.name}-{arm}")
+    trainer = RetrofitSFTTrainer(model, args, train_dataset=train_fmt, processing_class=tok)
+    method = trainer._looped.halting
+    if arm == "looped" and c.depth_warmup > 0:
+        orig = method.train_forward_kwargs
+
+        def kw(cfg, _orig=orig):
+            d = dict(_orig(cfg))
+            if trainer.state.global_step < c.depth_warmup:
+                d["depth"] = c.max_depth
+            return d
+
+        method.train_forward_kwargs = kw
+    t0 = time.time()
+    trainer.train()
+    hist = [h for h in trainer.state.log_history if "loss" in h]
+    info = {"train_s": round(time.time() - t0, 1), "final_loss": hist[-1]["loss"] if hist else None,
+            "mean_depth_answer_last": hist[-1].get("mean_depth_answer") if hist else None}
+    model.eval()
+    return model, tok, info
+
+
+@torch.no_grad()
+def tf_eval(model, tok, valid, batch: int = 32, depth=None):
+    """Per row: exact (bool); per completion token: (row, depth, nll, level)."""
+    fmt, _ = format_sft_dataset(valid, chat=False)
+    eos = tok.eos_token
+    exs = []
+    for r in fmt:
+        p_ids = tok(r["prompt"])["input_ids"]
+        full = tok(r["prompt"] + r["completion"] + eos)["input_ids"]
+        k = 0
+        while k < min(len(p_ids), len(full)) and p_ids[k] == full[k]:
+            k += 1
+        exs.append((full, k))
+    exact, toks = [], []
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for i in range(0, len(exs), batch):
+        chunk = exs[i : i + batch]
+        T = max(len(f) for f, _ in chunk)
+        ids = torch.full((len(chunk), T), pad)
+        am = torch.zeros(len(chunk), T, dtype=torch.long)
+        for j, (f, _) in enumerate(chunk):
+            ids[j, : len(f)] = torch.tensor(f)
+            am[j, : len(f)] = 1
+        kw = {} if depth is None else {"depth": depth}
+        out = model(input_ids=ids, attention_mask=am, use_cache=False, **kw)
+        logp = out.logits.float().log_softmax(-1)
+        depths = out.depths if getattr(out, "depths", None) is not None else torch.ones_like(ids)
+        for j, (f, k) in enumerate(chunk):
+            pos = torch.arange(k - 1, len(f) - 1)
+            tgt = torch.tensor(f[k:])
+            pred = logp[j, pos].argmax(-1)
+            exact.append(bool((pred == tgt).all()))
+            nll = -logp[j, pos, tgt]
+            for t in range(len(pos)):
+                toks.append((i + j, int(depths[j, pos[t]]), float(nll[t])))
+    return np.array(exact), toks
+
+
+def spearman(a, b) -> float:
+    from scipy.stats import spearmanr
+
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if len(a) < 3 or a.std() == 0 or b.std() == 0:
+        return float("nan")
+    return float(spearmanr(a, b).statistic)
+
+
+def mcnemar_p(x: np.ndarray, y: np.ndarray) -> float:
+    b = int((x & ~y).sum())
+    c = int((~x & y).sum())
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    p = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * p)
+
+
+_CONTROL_CACHE: dict = {}
+
+
+def run(c: Cfg) -> dict:
+    train, valid = splits_for(c)
+    levels = np.array(valid["difficulty"])
+    res = {"cfg": asdict(c), "arms": {}}
+    evals = {}
+    for arm in c.arms:
+        key = None
+        if arm == "sft":
+            key = json.dumps({k: v for k, v in asdict(c).items() if k in (
+                "task", "train_levels", "extrap_levels", "n_train", "n_valid", "steps", "batch", "lr", "seed",
+                "freeze_prelude", "prelude", "max_length")}, sort_keys=True)
+            if not c.freeze_prelude:
+                key += "-nofreeze"
+        if key is not None and key in _CONTROL_CACHE:
+            evals[arm], res["arms"][arm] = _CONTROL_CACHE[key]
+            continue
+        model, tok, info = train_arm(c, arm, train)
+        t0 = time.time()
+        exact, toks = tf_eval(model, tok, valid)
+        info["eval_s"] = round(time.time() - t0, 1)
+        per_level = {int(lv): float(exact[levels == lv].mean()) for lv in sorted(set(levels.tolist()))}
+        info["acc"] = per_level
+        info["mean_acc"] = float(exact.mean())
+        d_tok = np.array([t[1] for t in toks])
+        info["dbar_answer"] = float(d_tok.mean())
+        rows = np.array([t[0] for t in toks])
+        dbar_row = np.array([d_tok[rows == r].mean() for r in range(len(exact))])
+        info["dbar_level"] = {int(lv): float(dbar_row[levels == lv].mean()) for lv in sorted(set(levels.tolist()))}
+        info["spearman_depth_level"] = spearman(dbar_row, levels)
+        evals[arm] = (exact, toks)
+        info["exact"] = "".join("1" if x else "0" for x in exact)
+        info["tok_depth"] = "".join(str(t[1]) for t in toks)
+        info["tok_nll"] = [round(t[2], 4) for t in toks]
+        if arm != "sft":
+            for dd in range(1, c.max_depth + 1):
+                ex_d, toks_d = tf_eval(model, tok, valid, depth=dd)
+                info[f"exact_d{dd}"] = "".join("1" if x else "0" for x in ex_d)
+                info[f"tok_nll_d{dd}"] = [round(t[2], 4) for t in toks_d]
+        res["arms"][arm] = info
+        if key is not None:
+            _CONTROL_CACHE[key] = (evals[arm], info)
+        del model
+    if "looped" in evals and "sft" in evals:
+        x, y = evals["looped"][0], evals["sft"][0]
+        res["looped_minus_sft"] = float(x.mean() - y.mean())
+        res["mcnemar_p"] = mcnemar_p(x, y)
+        d = [t[1] for t in evals["looped"][1]]
+        nll_ctrl = [t[2] for t in evals["sft"][1]]
+        if len(d) == len(nll_ctrl):
+            res["spearman_depth_ctrl_nll"] = spearman(d, nll_ctrl)
+    return res
+
+
+GRIDS = {
+    "probe": [Cfg(name="probe", steps=4, n_train=16, n_valid=4)],
+    "default": [
+        Cfg(name="sort-base"),
+        Cfg(name="sort-warm120", depth_warmup=120),
+    ],
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--grid", default="default", help=f"one of {sorted(GRIDS)} or a JSON list of Cfg overrides")
+    p.add_argument("--out", default="outputs/sweep_main_job.jsonl")
+    p.add_argument("--set", action="append", default=[], help="override KEY=JSON for every configuration")
+    a = p.parse_args(argv)
+    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
+    if a.grid in GRIDS:
+        cfgs = GRIDS[a.grid]
+    else:
+        cfgs = [replace(Cfg(), **d) for d in json.loads(a.grid)]
+    over = {k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)}
+    cfgs = [replace(c, **{k: tuple(v) if isinstance(v, list) else v for k, v in over.items()}) for c in cfgs]
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    for c in cfgs:
+        t0 = time.time()
+        r = run(c)
+        r["wall_s"] = round(time.time() - t0, 1)
+        line = json.dumps(r)
+        print(line, flush=True)
+        with open(a.out, "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""The serving engine (retrofit.serving) against the model's own generate().
+
+Reference: ``model.generate`` on each request alone (itself checked against the full-sequence forward
+and a brute force in test_generation.py / test_modeling.py). With greedy decoding the engine must give
+every request the same tokens and the same per-token exit depths, whatever else is in flight: random
+arrival steps, mixed prompt and answer lengths, requests cancelled mid-way, mixed exit rules, both
+attention modes, every method, forced depths, training-free exits and TAPS.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from retrofit import LoopConfig, convert
+from retrofit.serving import Engine, SamplingParams
+from retrofit.serving.layers import KeyList, LayerRunner, layer_ops_for
+from retrofit.testing import char_tokenizer, tiny_base
+
+SPLITS = {"whole": {"prelude": 0, "core": None}, "middle": {"prelude": 1, "core": 3}}
+TOK = char_tokenizer()
+WORDS = ["hello world", "hi", "abc def g", "x", "the quick brown fox", "12 + 7 =", "looped", "q"]
+
+
+def looped(family="llama", method="fixed", split="whole", attention=None, max_depth=3, head_seed=1, scale=0.5):
+    """A tiny looped model with random (perturbed) heads, so that exits really mix across tokens."""
+    loop = LoopConfig(max_depth=max_depth, method=method, attention=attention, **SPLITS[split])
+    model = convert(tiny_base(family, seed=0), loop)
+    g = torch.Generator().manual_seed(head_seed)
+    with torch.no_grad():
+        for mod in (model.updater, model.halting):
+            for p in mod.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model.eval()
+
+
+def reference(model, prompt: list[int], max_tokens: int, exit_kwargs: dict):
+    """``generate`` on one request alone: (tokens, depths of the steps that produced them)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0, return_dict_in_generate=True, **exit_kwargs
+    )
+    toks = out.sequences[0, len(prompt) :].tolist()
+    return toks, out.depths[0, : len(toks)].tolist()
+
+
+def run_trace(model, requests, seed=0, max_seqs=3, **engine_kw):
+    """Feed ``requests`` (dicts: prompt, max_tokens, exit, arrive, cancel) to an engine step by step."""
+    engine_kw.setdefault("kv_budget_bytes", 8 << 20)
+    eng = Engine(model, TOK, max_seqs=max_seqs, **engine_kw)
+    pending = sorted(range(len(requests)), key=lambda i: requests[i]["arrive"])
+    handles = {}
+    step = 0
+    while pending or eng.has_work():
+        while pending and requests[pending[0]]["arrive"] <= step:
+            i = pending.pop(0)
+            r = requests[i]
+            handles[i] = eng.add_request(
+                r["prompt"], SamplingParams(temperature=0, max_tokens=r["max_tokens"]), **r["exit"]
+            )
+        for i, r in enumerate(requests):
+            if r.get("cancel") == step and i in handles:
+                eng.cancel(handles[i].request_id)
+        eng.step()
+        step += 1
+        assert step < 5000
+    return eng, [handles[i] for i in range(len(requests))]
+
+
+def random_requests(rng: random.Random, exits: list[dict], n: int = 7, cancel: int = 2):
+    reqs = []
+    for i in range(n):
+        text = rng.choice(WORDS) + rng.choice(["", " again", "!?"])
+        reqs.append(
+            {
+                "prompt": TOK(text).input_ids,
+                "max_tokens": rng.randint(1, 9),
+                "exit": exits[i % len(exits)],
+                "arrive": rng.randint(0, 12),
+            }
+        )
+    for i in rng.sample(range(n), cancel):
+        reqs[i]["cancel"] = reqs[i]["arrive"] + rng.randint(1, 6)
+    return reqs
+
+
+def check_against_generate(model, eng, reqs, handles):
+    depths_seen = set()
+    for r, h in zip(reqs, handles):
+        toks, depths = reference(model, r["prompt"], r["max_tokens"], r["exit"])
+        assert h.done.is_set()
+        if h.finish_reason == "cancelled":
+            assert h.output == toks[: len(h.output)], (r, h.output, toks)
+            assert h.depths == depths[: len(h.depths)]
+        else:
+            assert h.output == toks, (r["exit"], h.output, toks)
+            assert h.depths == depths, (r["exit"], h.depths, depths)
+            assert h.finish_reason in ("stop", "length")
+        depths_seen.update(h.depths)
+    # everything was given back
+    assert eng.kv.blocks_in_use() == 0
+    assert all(p.reserved == 0 for p in eng.kv.pools.values())
+    assert len(eng.free_rows) == eng.max_rows and len(eng.free_seqs) == eng.max_seqs
+    return depths_seen
+
+
+# ------------------------------------------------------------------------------------------------
+# the layer runner == the layer's own forward
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_layer_runner_matches_the_layers_forward(family):
+    base = tiny_base(family, seed=3)
+    model = convert(base, LoopConfig(max_depth=1, method="fixed"))
+    layer = model.model.layers[2]
+    T, H = 7, model.config.hidden_size
+    x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(T)[None]
+    pe = model.model.rotary_emb(x, pos)
+    causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        ref = layer(x, attention_mask=causal, position_ids=pos, position_embeddings=pe)[0]
+        runner = LayerRunner(layer_ops_for(model))
+        a = layer.self_attn
+        kvh = model.config.num_key_value_heads
+        for single in (False, True):
+            kp = torch.zeros(T + 3, kvh, a.head_dim)
+            vp = torch.zeros(T + 3, kvh, a.head_dim)
+            slots = torch.arange(T) + 2  # somewhere in the pool
+            if single:  # each row its own unit with its own prefix of keys (the decode layout)
+                idx = slots[None].expand(T, T)
+                valid = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
+                keys = KeyList(idx, valid, torch.arange(T)[None].expand(T, T), [(i, 1) for i in range(T)], pos[0], True)
+            else:  # one unit of T rows, causal inside
+                keys = KeyList(
+                    slots[None], torch.ones(1, T, dtype=torch.bool), torch.arange(T)[None], [(0, T)], pos[0], False
+                )
+            out = runner.run(layer, x[0], pe[0][0], pe[1][0], kp, vp, slots, keys)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# exactness against generate()
+# ------------------------------------------------------------------------------------------------
+EXITS = {
+    "decider": {},
+    "forced1": {"depth": 1},
+    "forced3": {"depth": 3},
+    "kl": {"exit_policy": "kl", "exit_threshold": 5e-2},
+    "state": {"exit_policy": "state", "exit_threshold": 0.5},
+    "taps": {"step_schedule": "taps"},
+    "taps_forced": {"step_schedule": "taps", "depth": 3},
+}
+
+
+CONFIGS = [
+    ("llama", "tah2", "whole", 3),
+    ("qwen3", "tah2", "middle", 2),
+    ("llama", "anira-e", "middle", 1),
+    ("qwen3", "anira-o", "whole", 1),
+    ("llama", "fixed", "middle", 2),
+]
+
+
+@pytest.mark.parametrize("attention", ["duo-causal", "same-depth"])
+@pytest.mark.parametrize("family,method,split,head_seed", CONFIGS)
+def test_greedy_tokens_equal_generate_alone(family, method, split, head_seed, attention):
+    if attention == "same-depth":  # each method meets both families across the two modes
+        family = {"llama": "qwen3", "qwen3": "llama"}[family]
+    model = looped(family, method, split, attention, head_seed=head_seed)
+    rng = random.Random(hash((family, method, attention)) % 1000)
+    exits = list(EXITS.values())
+    rng.shuffle(exits)
+    reqs = random_requests(rng, exits, n=8, cancel=2)
+    eng, handles = run_trace(model, reqs)
+    seen = check_against_generate(model, eng, reqs, handles)
+    assert len(seen) > 1, "the trace needs mixed exit depths"
+    assert any(h.finish_reason == "cancelled" for h in handles)
+
+
+def test_core_runs_once_per_step_on_rows_of_every_depth():
+    """Depth-wise batching: one core call per step, holding rows of different requests at different depths."""
+    model = looped("llama", "anira-e", "middle", head_seed=1)
+    calls = []
+    hook = model.core_layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
+    eng = Engine(model, TOK, max_seqs=4, kv_budget_bytes=8 << 20)
+    mixed_steps = 0
+    try:
+        for w in WORDS[:6]:
+            eng.add_request(TOK(w).input_ids, SamplingParams(temperature=0, max_tokens=6))
+        while eng.has_work():
+            before = len(calls)
+            eng.last_core = []
+            eng.step()
+            rows = eng.last_core
+            if rows:
+                assert len(calls) == before + 1  # one call of the core's first layer per step
+                assert calls[-1] == len(rows)
+                if len({m for _, m in rows}) > 1 and len({s for s, _ in rows}) > 1:
+                    mixed_steps += 1
+    finally:
+        hook.remove()
+    assert mixed_steps > 0, "some step should hold rows of several requests at several depths"
+
+
+def test_admission_waits_for_the_kv_budget():
+    """With room for one request's worst case only, requests wait in the queue and run one after another."""
+    model = looped("qwen3", "tah2", "middle", head_seed=2)
+    probe = Engine(model, TOK, max_seqs=4, max_model_len=64, kv_budget_bytes=8 << 20)
+    need = probe.kv.worst_case(32, readout=True)  # every request below has <= 32 positions
+    one = sum(n * probe.kv.pools[p].bytes_per_block for p, n in need.items())
+    eng = Engine(model, TOK, max_seqs=4, max_model_len=64, kv_budget_bytes=int(1.5 * one))
+    reqs = [eng.add_request(TOK(w).input_ids, SamplingParams(temperature=0, max_tokens=20)) for w in WORDS[:3]]
+    max_running = 0
+    while eng.has_work():
+        eng.step()
+        max_running = max(max_running, len(eng.seqs))
+        if eng.seqs:
+            assert eng.metrics()["queue_length"] >= 3 - len(eng.seqs) - sum(r.done.is_set() for r in reqs)
+    assert max_running == 1, "the budget holds one request at a time"
+    for w, r in zip(WORDS[:3], reqs):
+        assert r.finish_reason in ("stop", "length")
+        assert r.output == reference(model, TOK(w).input_ids, 20, {})[0]
+
+
+def test_kv_blocks_follow_executed_depths():
+    """Core entries = executed (token, depth) pairs; core blocks = ⌈entries / block⌉ per depth stream."""
+    model = looped("llama", "anira-e", "whole", head_seed=1)
+    eng = Engine(model, TOK, max_seqs=2, block_size=4, kv_budget_bytes=8 << 20)
+    r = eng.add_request(TOK("the quick brown fox").input_ids, SamplingParams(temperature=0, max_tokens=9))
+    checked = 0
+    while eng.has_work():
+        eng.step()
+        seq = eng.seqs.get(r.request_id)
+        if seq is None:
+            continue
+        g = seq.group
+        # tokens of the current step: exited ones ran their exit depth, running ones ran 1 … m - 1
+        running = sum(d if d else g.m - 1 for d in g.exit_depth) if g not in eng.entering else 0
+        counts = eng.kv.count_py[seq.slot]
+        assert sum(counts) == sum(r.position_depths) + running
+        assert eng.kv.seq_blocks(seq.slot, "core") == sum(-(-c // 4) for c in counts)
+        checked += 1
+    assert checked > 5
+    assert 1 < len(set(r.position_depths))  # mixed depths: fewer entries than every position at D
+
+
+def test_sampling_is_reproducible_per_seed_whatever_the_batch():
+    model = looped("llama", "tah2", "whole", head_seed=3)
+    p = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=8, seed=123)
+
+    def alone():
+        eng = Engine(model, TOK, max_seqs=2, kv_budget_bytes=8 << 20)
+        r = eng.add_request(TOK("hello").input_ids, p)
+        eng.run_until_done()
+        return r.output
+
+    eng = Engine(model, TOK, max_seqs=4, kv_budget_bytes=8 << 20)
+    others = [
+        eng.add_request(TOK(w).input_ids, SamplingParams(temperature=1.0, max_tokens=5, seed=i))
+        for i, w in enumerate(WORDS[:3])
+    ]
+    r = eng.add_request(TOK("hello").input_ids, p)
+    eng.run_until_done()
+    assert r.output == alone() and len(r.output) == 8
+    assert all(o.done.is_set() for o in others)
+
+
+def test_stop_strings_and_bad_requests():
+    model = looped("llama", "fixed", "whole")
+    eng = Engine(model, TOK, max_seqs=2, max_model_len=32, kv_budget_bytes=8 << 20)
+    full = eng.add_request(TOK("hello").input_ids, SamplingParams(temperature=0, max_tokens=12))
+    eng.run_until_done()
+    text = TOK.decode(full.output, skip_special_tokens=True)
+    assert len(text) >= 4
+    stop = text[2:4]
+    cut = eng.add_request(TOK("hello").input_ids, SamplingParams(temperature=0, max_tokens=12, stop=[stop]))
+    eng.run_until_done()
+    assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
+    with pytest.raises(ValueError, match="exceeds the context"):
+        eng.add_request(TOK("x" * 30).input_ids, SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="non-empty list"):
+        eng.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="depth"):
+        eng.add_request(TOK("x").input_ids, SamplingParams(), depth=7)
+    with pytest.raises(ValueError, match="exit_policy"):
+        eng.add_request(TOK("x").input_ids, SamplingParams(), exit_policy="nope")
