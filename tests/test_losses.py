@@ -482,3 +482,21 @@ def test_forced_depth_has_no_auxiliary_loss(name):
     out = model(ids, labels=labels, depth=2)
     assert out.aux_loss is None and model.halting.loss(out, labels, LossConfig()) is None
     torch.testing.assert_close(out.loss, F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()))
+
+
+@pytest.mark.parametrize("method", ["tah2", "anira-e", "anira-o"])
+def test_nan_decider_gives_a_nan_aux_loss_not_an_error(method):
+    """Diverged decider weights: the forward returns a NaN ``aux_loss`` (TaH2's BCE would raise on its
+    NaN continue probabilities), so any trainer sees a non-finite loss; finite deciders give finite ones."""
+    split = {"prelude": 1, "core": 4} if method.startswith("anira") else {}
+    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=2, method=method, **split)).eval()
+    ids, labels = _batch()
+    with torch.no_grad():
+        good = model(ids, labels=labels)
+        assert good.aux_loss is not None and torch.isfinite(good.aux_loss) and torch.isfinite(good.loss)
+        for p in model.halting.parameters():
+            p.fill_(float("nan"))
+        bad = model(ids, labels=labels)
+    assert bad.aux_loss is not None and torch.isnan(bad.aux_loss) and torch.isnan(bad.loss)
+    signals = bad.halt_signals if bad.halt_signals is not None else bad.depth_logits_q
+    assert signals is not None and not torch.isfinite(signals).all()
