@@ -17,6 +17,13 @@ A random Llama-shaped model (16 layers, hidden 512, 8 heads, vocab 32000) is con
    ``generate`` (same weights, same tokens): time ratio (target ≤ 1.10), at ``--batch`` and at batch 1.
 4. ``kv_bytes``: the core's K/V bytes of the mixed run vs the depth-``D`` run, next to the executed
    share ``Σ d*_t / (n · D)``.
+5. ``fixed_depth_vs_unrolled``: ``generate(depth=D)`` of the looped model vs a plain *unrolled* model —
+   the base with its core layers repeated ``D`` times (the same weight tensors, shared), decoded by
+   transformers' own ``generate`` with its default dynamic cache — at batch 1 and 8
+   (``--unrolled-batches``): the time ratio (target ≤ 1.05) next to the FLOPs ratio (the looped model
+   also runs its updater between depths). ``--only-unrolled`` times this comparison alone. The two
+   compute different functions (the updater feeds the core ``e + U(e, h)``, the unrolled stack feeds
+   it ``h``), so their tokens differ; the work per step is the same but for the updater.
 
 Timing: the ``decode`` figures cover the ``--new-tokens - 1`` one-token steps (a streamer stamps the
 clock right after the prefill and after the last step); ``whole_generate`` adds the prefill of the
@@ -69,6 +76,30 @@ def build(args):
     return base, fixed, mixed
 
 
+def unrolled_model(base, max_depth: int):
+    """The base model with its layers repeated ``max_depth`` times (whole-stack looping unrolled): new
+    decoder-layer objects (their own ``layer_idx`` for the cache) holding the base layers' parameters."""
+    import copy
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    L = base.config.num_hidden_layers
+    cfg = copy.deepcopy(base.config)
+    cfg.num_hidden_layers = L * max_depth
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.model.embed_tokens, model.model.norm = base.model.embed_tokens, base.model.norm
+    model.model.rotary_emb, model.lm_head = base.model.rotary_emb, base.lm_head
+    for i, layer in enumerate(model.model.layers):
+        for name, p in base.model.layers[i % L].named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(owner) if owner else layer, leaf, p)
+    assert not any(p.is_meta for p in model.parameters()), "an unrolled parameter was not shared"
+    model.generation_config = base.generation_config
+    return model.eval()
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
@@ -90,6 +121,8 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--decider-scale", type=float, default=1.0, help="random decider weight scale (spread of depths)")
     p.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="process CPU time (robust on a shared machine) or wall time")
+    p.add_argument("--unrolled-batches", default="1,8", help="batch sizes of the fixed-depth vs unrolled comparison")
+    p.add_argument("--only-unrolled", action="store_true", help="time only the fixed-depth vs unrolled comparison")
     p.add_argument("--quick", action="store_true", help="8 layers, batch 8, 8 new tokens, 2 rounds")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
@@ -101,7 +134,7 @@ def main(argv=None) -> dict:
     import torch
 
     from retrofit.cache import DepthKVCache
-    from retrofit.flops import cost_report
+    from retrofit.flops import cost_report, model_costs
 
     torch.set_num_threads(args.threads)
     base, fixed, mixed = build(args)
@@ -144,7 +177,14 @@ def main(argv=None) -> dict:
             return out, total, decode, st.wall[-1] - st.wall[1]
         return f
 
-    runs = {
+    unrolled = unrolled_model(base, D)
+    ub = [int(b) for b in args.unrolled_batches.split(",") if b]
+    idsU = torch.randint(10, args.vocab, (max(ub), args.prompt), generator=g)
+    runs_u = {}
+    for b in ub:
+        runs_u[f"unrolled_b{b}"] = run(unrolled, f"unrolled_b{b}", idsU[:b], looped=False)
+        runs_u[f"looped_b{b}"] = run(fixed, f"looped_b{b}", idsU[:b], depth=D)
+    runs = {} if args.only_unrolled else {
         "base": run(base, "base", ids, looped=False),
         "depth1": run(fixed, "depth1", ids, depth=1),
         f"depth{args.k}": run(fixed, f"depth{args.k}", ids, depth=args.k),
@@ -153,8 +193,9 @@ def main(argv=None) -> dict:
         "base_b1": run(base, "base_b1", ids1, looped=False),
         "depth1_b1": run(fixed, "depth1_b1", ids1, depth=1),
     }
+    runs.update(runs_u)
     NL = args.large_new_tokens
-    if args.large_batch:
+    if args.large_batch and not args.only_unrolled:
         idsL = torch.randint(10, args.vocab, (args.large_batch, args.large_prompt), generator=g)
         runs.update({
             "L_depth1": run(fixed, "L_depth1", idsL, new_tokens=NL, depth=1),
@@ -177,6 +218,7 @@ def main(argv=None) -> dict:
                 wall[k].append(decode_wall)
     t_dec = {k: min(v) for k, v in decodes.items()}
     t_tot = {k: min(v) for k, v in totals.items()}
+    w_dec = {k: min(v) for k, v in wall.items()}
 
     def cost(name, part):
         c = caches[name]
@@ -185,6 +227,35 @@ def main(argv=None) -> dict:
             n, P = (NL, args.large_prompt) if name.startswith("L_") else (N, args.prompt)
             d = d[:, P : P + n - 1]
         return cost_report(mixed if name.endswith("mixed") else fixed, d, d > 0, readout=False)
+
+    def unrolled_row(b):
+        c = cost(f"looped_b{b}", "decode")
+        # the unrolled model runs the same layers (and head) without the updater between depths
+        flops_ratio = c["flops"] / (c["flops"] - 2.0 * c["n_tokens"] * (D - 1) * model_costs(fixed)["updater"])
+        t = t_dec[f"looped_b{b}"] / t_dec[f"unrolled_b{b}"]
+        return {"batch": b, "time_looped_s": t_dec[f"looped_b{b}"], "time_unrolled_s": t_dec[f"unrolled_b{b}"],
+                "time_ratio": t, "wall_ratio": w_dec[f"looped_b{b}"] / w_dec[f"unrolled_b{b}"],
+                "flops_ratio": flops_ratio, "time_over_flops": t / flops_ratio,
+                # per round: the spread shows how much the machine's load moved the figure
+                "time_ratio_per_round": [round(a / u, 4) for a, u in zip(decodes[f"looped_b{b}"],
+                                                                        decodes[f"unrolled_b{b}"])]}
+
+    unrolled_rows = [unrolled_row(b) for b in ub]
+    setup = {"threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+             "load_avg_1m": os.getloadavg()[0], "repeats": args.repeats, "clock": args.clock, "torch": torch.__version__,
+             "prompt": args.prompt, "new_tokens": N}
+    model_row = {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
+                 "kv_heads": args.kv_heads, "vocab": args.vocab, "max_depth": D}
+    if args.only_unrolled:
+        result = {"command": "python benchmarks/decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "model": model_row, "setup": setup, "fixed_depth_vs_unrolled": unrolled_rows,
+                  "wall_s": time.perf_counter() - t_start}
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as fh:
+                fh.write(text + "\n")
+        return result
 
     def fixed_row(k, t, part):
         ck, cD = cost(f"depth{k}", part), cost(f"depth{D}", part)
@@ -225,7 +296,6 @@ def main(argv=None) -> dict:
         "allocated_bytes_ratio": kv_m.allocated_nbytes() / kv_D.allocated_nbytes(),
     }
 
-    w_dec = {k: min(v) for k, v in wall.items()}
     result = {
         "command": "python benchmarks/decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
@@ -240,6 +310,7 @@ def main(argv=None) -> dict:
             "depth1_vs_base": base_row(t_dec),
         },
         "kv_bytes": kv_row,
+        "fixed_depth_vs_unrolled": unrolled_rows,
         "whole_generate": {  # prefill of the prompt + decode
             "fixed_depth": [fixed_row(k, t_tot, "all") for k in (1, args.k)],
             "mixed_depth": mixed_row(t_tot, "all"),

@@ -59,13 +59,11 @@ def base_model(spec: str, layers: int | None):
 
 def make_step(model, cfg: LossConfig):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    model.config.loop = {**model.config.loop, **vars(cfg)}  # the model computes its auxiliary loss itself
 
     def step(ids, labels):
         out = model(input_ids=ids, labels=labels)
-        loss = out.loss
-        aux = model.halting.loss(out, labels, cfg)
-        if aux is not None:
-            loss = loss + aux.loss
+        loss = out.loss  # next-token loss + the method's weighted auxiliary loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -226,8 +226,9 @@ def run(args: argparse.Namespace) -> int:
         if looped and depths:
             from .flops import cost_report
 
-            readout = model.halting.needs_depth_readout or args.exit == "kl"
-            rep = cost_report(model, torch.tensor(depths), readout=readout)
+            forced = args.depth is not None  # a forced depth runs no decider (retrofit.loop.ForcedExit)
+            readout = (model.halting.needs_depth_readout and not forced) or args.exit == "kl"
+            rep = cost_report(model, torch.tensor(depths), readout=readout, decider=not forced)
             line += f"; FLOPs vs fixed depth {D}: {rep['flops_vs_fixed']:.3f}, vs base model: {rep['flops_vs_base']:.3f}"
         print(line)
     if args.html:

@@ -6,8 +6,10 @@ A pretrained stack ``L_0 … L_{N-1}`` is split into three contiguous ranges (ME
     core    = L_p … L_{p+c-1}        runs d = 1 … max_depth times per token
     coda    = L_{p+c} … L_{N-1}      runs once, on each token's exit-depth state
 
-``LoopConfig`` holds only what changes the model's function. Loss weights and other training
-hyper-parameters live with the trainer (``retrofit.training``).
+``LoopConfig`` holds what changes the model's function and the weights of the halting methods'
+auxiliary losses (``LossConfig``): the model computes its own auxiliary loss when given labels, so
+any trainer optimizes the method's objective. Other training hyper-parameters live with the
+trainer (``retrofit.training``), whose loss-weight flags override the fields here.
 """
 
 from __future__ import annotations
@@ -57,6 +59,41 @@ def _is_number(v) -> bool:
 
 
 @dataclass
+class LossConfig:
+    """Weights and switches of the methods' auxiliary training losses (METHODS.md §3–4).
+
+    Args:
+        alpha_d: TaH2's decider-loss weight ``α_D`` in ``L = L_NTP + α_D · L_D`` (§3: 0.05).
+        rho: TaH2's cutoff mass ``ρ``: the kept positive gains cover this share of the batch's total
+            positive gain (§3: 0.99). ``1.0`` keeps every positive gain (the seed's "ρ = 1" ablation).
+        decider_weighting: TaH2's BCE weights: ``"distance"`` = ``|δ - κ|`` (cost-sensitive, §3) or
+            ``"uniform"`` (the seed's ablation, −3.6 points).
+        gamma: ANIRA's weight ``γ`` of the KL-to-prior term ``L_C`` (§4). The seed tunes it by grid
+            search (ANIRA Appendix Table 5, values not in the seed); 0.01 is our default.
+        prior_base: ANIRA's prior ``p(d) ∝ b^(-d)``; ``b = 1`` leaves only the entropy term (§4).
+    """
+
+    alpha_d: float = 0.05
+    rho: float = 0.99
+    decider_weighting: str = "distance"
+    gamma: float = 0.01
+    prior_base: float = 2.0
+
+    def __post_init__(self):
+        if not 0.0 < self.rho <= 1.0:
+            raise ValueError(f"rho must lie in (0, 1], got {self.rho!r}")
+        if self.decider_weighting not in ("distance", "uniform"):
+            raise ValueError(f"decider_weighting must be 'distance' or 'uniform', got {self.decider_weighting!r}")
+        if self.alpha_d < 0 or self.gamma < 0:
+            raise ValueError(f"alpha_d and gamma must be >= 0, got alpha_d={self.alpha_d!r}, gamma={self.gamma!r}")
+        if self.prior_base <= 0:
+            raise ValueError(f"prior_base (b in p(d) ∝ b^(-d)) must be > 0, got {self.prior_base!r}")
+
+
+LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))
+
+
+@dataclass
 class LoopConfig:
     """How to loop a pretrained model.
 
@@ -87,6 +124,8 @@ class LoopConfig:
             Needed under DeepSpeed ZeRO-3, whose trace cache thrashes on dynamic control flow.
         deep_init_logit: Initial logit of the deciders' "continue" choice. Deciders start deep
             (they continue at init) because shallow starts trap training (an ACT finding).
+        alpha_d, rho, decider_weighting, gamma, prior_base: the auxiliary losses' weights
+            (``LossConfig``); the model adds ``α_D · L_D`` (TaH2) or ``γ · L_C`` (ANIRA) to its loss.
     """
 
     prelude: int = 0
@@ -104,6 +143,11 @@ class LoopConfig:
     gumbel_tau: float = 1.0
     fixed_graph: bool = False
     deep_init_logit: float = 3.0
+    alpha_d: float = 0.05
+    rho: float = 0.99
+    decider_weighting: str = "distance"
+    gamma: float = 0.01
+    prior_base: float = 2.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -148,6 +192,15 @@ class LoopConfig:
         for name in ("mixture_output", "fixed_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise LoopConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        try:
+            self.loss_config  # noqa: B018  (validates the loss weights)
+        except ValueError as e:
+            raise LoopConfigError(str(e)) from None
+
+    @property
+    def loss_config(self) -> LossConfig:
+        """The auxiliary losses' weights as a ``LossConfig``."""
+        return LossConfig(**{k: getattr(self, k) for k in LOSS_FIELDS})
 
     # ----------------------------------------------------------------------------------------
     def layer_ranges(self, num_layers: int) -> tuple[range, range, range]:

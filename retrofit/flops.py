@@ -65,7 +65,7 @@ def _per_token_flops(model, d: torch.Tensor, readout: bool, decider_runs: str) -
     return 2.0 * f
 
 
-def cost_report(model, depths, mask=None, readout: bool | None = None) -> dict[str, Any]:
+def cost_report(model, depths, mask=None, readout: bool | None = None, decider: bool = True) -> dict[str, Any]:
     """Cost of a run with exit depths ``depths``.
 
     Args:
@@ -73,7 +73,9 @@ def cost_report(model, depths, mask=None, readout: bool | None = None) -> dict[s
         depths: ``[...]`` exit depths (1-based) of the tokens run (tensor, array or list).
         mask: ``[...]`` bool, valid tokens (default: depths > 0).
         readout: the run read out every executed depth (TaH2, the ``kl`` exit). Default: the
-            method's own need (``model.halting.needs_depth_readout``).
+            method's own need (``model.halting.needs_depth_readout``) when its decider ran.
+        decider: the method's decider ran; False for a forced depth (``depth=``), which runs no
+            decider and reads out only the exit state.
 
     Returns:
         dict: ``n_tokens``, ``max_depth``, ``cost_exec`` (Σ exit depths), ``core_layer_passes``,
@@ -101,8 +103,9 @@ def cost_report(model, depths, mask=None, readout: bool | None = None) -> dict[s
     out["layers_adaptive_vs_fixed"] = fr["adaptive_vs_fixed"]
     out["layers_adaptive_vs_base"] = fr["adaptive_vs_base"]
     if readout is None:
-        readout = model.halting.needs_depth_readout
+        readout = decider and model.halting.needs_depth_readout
     runs = {"tah2": "per_depth", "anira-o": "per_depth", "anira-e": "once"}.get(model.halting.name, "none")
+    runs = runs if decider else "none"
     dv = d[m]
     flops = float(_per_token_flops(model, dv, readout, runs).sum())
     c = model_costs(model)
@@ -113,21 +116,23 @@ def cost_report(model, depths, mask=None, readout: bool | None = None) -> dict[s
     return out
 
 
-def forward_cost(model, output, attention_mask=None, readout: bool | None = None) -> dict[str, Any]:
+def forward_cost(model, output, attention_mask=None, readout: bool | None = None, decider: bool = True) -> dict[str, Any]:
     """``cost_report`` of a forward output (``output.depths`` ``[B, T]``; padding excluded)."""
     mask = None if attention_mask is None else attention_mask.bool()
     if mask is None:
         mask = output.depths > 0
-    return cost_report(model, output.depths, mask, readout)
+    return cost_report(model, output.depths, mask, readout, decider)
 
 
-def generate_cost(model, gen_output, include_prompt: bool = False, readout: bool | None = None) -> dict[str, Any]:
+def generate_cost(model, gen_output, include_prompt: bool = False, readout: bool | None = None,
+                  decider: bool = True) -> dict[str, Any]:
     """``cost_report`` of ``generate(..., return_dict_in_generate=True)``.
 
     Args:
         gen_output: a ``retrofit.generation.LoopedGenerateOutput``.
         include_prompt: also count the prompt's (prefill) tokens, from the cache's per-position
             depths; by default only the decode steps (one per generated token).
+        readout, decider: as in ``cost_report`` (``decider=False`` for ``generate(depth=k)``).
     """
     if getattr(gen_output, "depths", None) is None:
         raise ValueError("this output has no per-token depths: call generate(..., return_dict_in_generate=True) "
@@ -135,5 +140,5 @@ def generate_cost(model, gen_output, include_prompt: bool = False, readout: bool
     if include_prompt:
         cache = gen_output.cache
         d = cache.token_depths[:, : cache.length]
-        return cost_report(model, d, d > 0, readout)
-    return cost_report(model, gen_output.depths, gen_output.depths > 0, readout)
+        return cost_report(model, d, d > 0, readout, decider)
+    return cost_report(model, gen_output.depths, gen_output.depths > 0, readout, decider)

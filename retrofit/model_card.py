@@ -221,8 +221,9 @@ def render_model_card(
     repo_id: str | None = None,
     remote_code_files: list[str] | None = None,
     has_tokenizer: bool = True,
+    run_folder: bool = False,
 ) -> str:
-    """The full ``README.md`` text for an exported looped checkpoint.
+    """The full ``README.md`` text for an exported looped checkpoint, or for a training run's folder.
 
     Args:
         config: the looped config (``LoopedLlamaConfig`` / ``LoopedQwen3Config``).
@@ -233,13 +234,16 @@ def render_model_card(
         repo_id: where the folder will live on the Hub (used in the usage snippet).
         remote_code_files: the bundled modeling files (listed in the card).
         has_tokenizer: whether tokenizer files are part of the folder.
+        run_folder: the card of a training output folder (``RetrofitSFTTrainer`` writes it in place of
+            TRL's automatic card): its checkpoints load with retrofit installed, and ``retrofit export``
+            makes a self-contained folder of one.
     """
     loop = config.loop_config
     n_layers = config.num_hidden_layers
     pre, core, coda = loop.layer_ranges(n_layers)
     license_known = license is not None
     meta = card_front_matter(loop.method, base_model, license)
-    where = repo_id or "PATH_OR_REPO_ID"
+    where = repo_id or ("RUN_DIR" if run_folder else "PATH_OR_REPO_ID")
     family = config.model_type.removeprefix("looped_")
 
     def layers(r: range) -> str:
@@ -295,7 +299,31 @@ def render_model_card(
         "",
     ]
     lines += _eval_section(eval_summary, loop.max_depth)
-    lines += [
+    lines += _run_folder_usage(where) if run_folder else _export_usage(where, remote_code_files, has_tokenizer)
+    if not license_known:
+        lines += [
+            "",
+            (f"License: the base model's license was not recorded; the metadata says `{DEFAULT_LICENSE}`. "
+             "The base model's terms apply."),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_run_card(model, output_dir: str | Path, repo_id: str | None = None) -> Path:
+    """Write the card of a training run's folder (``RetrofitSFTTrainer`` does, in place of TRL's)."""
+    from .heads import parameter_report
+
+    cfg = model.config
+    card = render_model_card(cfg, parameter_report(model), base_model=getattr(cfg, "retrofit_base_model", None),
+                             license=getattr(cfg, "retrofit_base_license", None), repo_id=repo_id, run_folder=True)
+    path = Path(output_dir) / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(card, encoding="utf-8")
+    return path
+
+
+def _export_usage(where: str, remote_code_files: list[str] | None, has_tokenizer: bool) -> list[str]:
+    lines = [
         "## Usage",
         "",
         "Without retrofit (the modeling code ships in this repository):",
@@ -330,13 +358,27 @@ def render_model_card(
             + " — retrofit's modeling modules, bundled into flat files (relative imports rewritten)."
         )
     lines.append("- `generation_config.json`" + (", tokenizer files." if has_tokenizer else "; no tokenizer was exported."))
-    if not license_known:
-        lines += [
-            "",
-            (f"License: the base model's license was not recorded; the metadata says `{DEFAULT_LICENSE}`. "
-             "The base model's terms apply."),
-        ]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _run_folder_usage(where: str) -> list[str]:
+    return [
+        "## Usage",
+        "",
+        "This is a training run's folder: `final/` (or a `checkpoint-N/`) holds a looped checkpoint that loads with "
+        "the retrofit package installed (`import retrofit` registers the looped classes).",
+        "",
+        "```python",
+        "import retrofit  # noqa: F401",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{where}/final")',
+        "out = model(input_ids)          # out.logits [B, T, V], out.depths [B, T] (1-based exit depths)",
+        "```",
+        "",
+        f"`retrofit export {where}/final --out DIR` writes a self-contained folder (bundled modeling code, "
+        "`trust_remote_code=True` without retrofit) for the Hub.",
+    ]
 
 
 def _eval_section(summary: Mapping[str, Any] | None, max_depth: int) -> list[str]:

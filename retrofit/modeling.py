@@ -5,47 +5,65 @@
 checkpoints load into it and its checkpoints look like the base's plus two heads (``updater.*``,
 ``halting.*``). No modeling file of transformers is copied (STYLE.md habit 1).
 
-The full-sequence forward (training, scoring, prefill without a cache) unrolls the core up to
-``max_depth`` times. Per token ``i`` the exit depth ``d*_i`` is either forced (``depth=``) or decided
-by the halting method; a token past its exit is *passed through*: its state is copied, its later
-keys are invisible to everyone else, and the coda sees its exit-depth state. Keys of every depth
-executed so far are stacked along the key axis and masked by ``retrofit.attention``; the stacking
-happens in ``DepthKVStore``, a minimal cache object handed to the base layers, which call its
-``update`` exactly as they would a transformers ``Cache``.
+``forward`` is thin setup around the one depth loop (``retrofit.loop``): it picks the KV backend
+(``retrofit.backends``: the full-sequence stacked store, or a ``DepthKVCache`` step when decoding),
+the exit rule (the method's decider, a forced ``depth=``, or a training-free ``exit_policy``) and
+the step schedule, then adds the loss. Per token ``i`` the exit depth ``d*_i`` is either forced or
+decided; a token past its exit is *passed through*: its state is kept, its later keys are invisible
+to everyone else, and the coda sees its exit-depth state.
+
+With ``labels`` the loss is the next-token loss plus the halting method's weighted auxiliary loss
+(``aux_loss``; ``retrofit.halting``), the convention of mixture-of-experts models and their router
+loss: any trainer (``transformers.Trainer``, TRL's SFT/DPO/GRPO) optimizes the method's objective.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import types
-import os
-import inspect
-import functools
+import importlib
 import warnings
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from huggingface_hub.dataclasses import strict
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, LlamaConfig, PreTrainedModel, Qwen3Config
-from transformers.modeling_outputs import ModelOutput
 
-from .attention import base_visibility, depth_key_visibility, to_additive_mask
+from .backends import CachedStep, FullSequence
+from .cache import DepthKVCache
 from .config import LoopConfig, LoopConfigError
-from .families import FAMILIES, Family, family_for
+from .families import FAMILIES, Family
+from .generation import looped_generate
 from .halting import build_halting
+from .halting.base import AuxLoss
 from .halting.training_free import resolve_exit_policy
 from .heads import Updater, init_tagged
-from .schedulers import UnitStep, build_step_schedule
+from .loop import exit_rule_for, forced_depths, run_depth_loop, shifted_labels
+from .outputs import LoopedCausalLMOutput
+from .schedulers import build_step_schedule
+from .versions import check_versions
+
+# exported remote code carries this check too (retrofit/__init__ is not bundled); TRL and PEFT are
+# not needed by the modeling code, so only transformers is checked here
+check_versions(packages=("transformers",))
+
+
+def _from_installed_package(cls) -> bool:
+    """``cls`` is retrofit's own class (not a copy loaded from an exported folder's remote code)."""
+    return cls.__module__.split(".")[0] == "retrofit"
 
 
 # ------------------------------------------------------------------------------------------------
 # Configs: flat subclasses of the base configs, plus the loop spec as one dict field.
 # ------------------------------------------------------------------------------------------------
 class _LoopedConfigMixin:
+    """What a looped config adds to its base config:
+
+    - ``loop``: the ``LoopConfig`` as a dict (``loop_config`` parses it);
+    - ``output_router_logits`` / ``router_aux_loss_coef``: with labels, the forward computes the halting
+      method's auxiliary loss and adds ``router_aux_loss_coef ×`` it to ``loss``; the names and meaning
+      of mixture-of-experts configs, which TRL's trainers read (they then add ``aux_loss`` themselves).
+    """
+
     # TRL's create_model_from_path reads `config.auto_map` for architectures outside transformers
     # and transformers tests `name in config.auto_map`: {} until a config.json sets one (exports do).
     @property
@@ -61,164 +79,48 @@ class _LoopedConfigMixin:
         """The ``LoopConfig`` stored in ``self.loop`` (validated on every read)."""
         return LoopConfig.from_dict(self.loop or {})
 
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        # loading an export with trust_remote_code=True where retrofit is installed returns retrofit's
+        # own classes (see retrofit.export) and transformers then registers them for remote code,
+        # which would make every later save_pretrained copy package files: retrofit's classes are
+        # registered with the Auto classes on import instead
+        if _from_installed_package(cls):
+            return
+        return super().register_for_auto_class(auto_class)
+
 
 @strict(accept_kwargs=True)
 @dataclasses.dataclass(repr=False)
 class LoopedLlamaConfig(_LoopedConfigMixin, LlamaConfig):
-    """``LlamaConfig`` plus ``loop``: a ``LoopConfig`` as a dict."""
+    """``LlamaConfig`` plus the looped fields (see ``_LoopedConfigMixin``)."""
 
     model_type = "looped_llama"
     loop: dict | None = None
+    output_router_logits: bool = True
+    router_aux_loss_coef: float = 1.0
 
 
 @strict(accept_kwargs=True)
 @dataclasses.dataclass(repr=False)
 class LoopedQwen3Config(_LoopedConfigMixin, Qwen3Config):
-    """``Qwen3Config`` plus ``loop``: a ``LoopConfig`` as a dict."""
+    """``Qwen3Config`` plus the looped fields (see ``_LoopedConfigMixin``)."""
 
     model_type = "looped_qwen3"
     loop: dict | None = None
+    output_router_logits: bool = True
+    router_aux_loss_coef: float = 1.0
 
 
 # ------------------------------------------------------------------------------------------------
-@dataclass
-class LoopedCausalLMOutput(ModelOutput):
-    """Output of ``LoopedForCausalLM.forward``.
-
-    Attributes:
-        loss: next-token loss on ``logits`` (the mixture NLL for TaH2), when labels are given.
-        logits: ``[B, T, V]``. For a TaH2 mixture: ``log p_mix + logsumexp(z^(d*))``, i.e. the log
-            mixture shifted per token by the exit depth's log-partition, so that a one-depth mixture
-            returns that depth's raw logits and ``softmax(logits) = p_mix``.
-        depths: ``[B, T]`` long, each token's exit depth (1-based).
-        depth_probs: ``[B, T, D]`` the method's halting distribution (TaH2: mixture weights π;
-            ANIRA: q); None for ``fixed``.
-        halt_signals: ``[B, T, k]`` per-depth decider outputs (TaH2: continue probabilities
-            ``c^(1..k)``; ANIRA-O: halting probabilities ``α``); None otherwise.
-        depth_logits_q: ``[B, T, D]`` ANIRA-E's raw depth logits (its q before softmax); else None.
-        depth_nll: ``[B, T, D]`` next-token loss at each depth (position t predicts label t+1;
-            TaH2's lookahead depth ``d*+1`` included); NaN where not computed. Present when labels
-            are given and the method needs it (TaH2) or ``output_depth_losses=True``.
-        depth_logits: ``[D, B, T, V]`` per-depth logits (NaN beyond a token's lookahead) when
-            ``output_depth_logits=True``.
-        active: ``[D, B, T]`` bool, token executed depth d.
-        cache: the depth-aware cache, when decoding with one.
-    """
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    depths: torch.Tensor | None = None
-    depth_probs: torch.Tensor | None = None
-    halt_signals: torch.Tensor | None = None
-    depth_logits_q: torch.Tensor | None = None
-    depth_nll: torch.Tensor | None = None
-    depth_logits: torch.Tensor | None = None
-    active: torch.Tensor | None = None
-    cache: object | None = None
+def _trl_integration():
+    """``retrofit.trl_fused``, imported by name: exported remote code leaves it out (no TRL needed)."""
+    try:
+        return importlib.import_module(__name__.rpartition(".")[0] + ".trl_fused")
+    except ImportError:
+        return None
 
 
-class DepthKVStore:
-    """K/V of the full-sequence forward, keyed by (layer index, depth).
-
-    The base attention calls ``update(k, v, layer_idx, kwargs=...)``; the current depth arrives in
-    ``kwargs["loop_depth"]`` (passed through the decoder layer's ``**kwargs``). ``update`` records
-    the depth's K/V and returns the keys of depths ``1 … m`` stacked along the sequence axis
-    (``[B, H, m * T, hd]``), the layout ``retrofit.attention`` masks. Writing is idempotent per
-    (layer, depth), so activation checkpointing may replay a layer safely.
-    """
-
-    def __init__(self):
-        self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.prelude_or_coda = None  # layers outside the core pass loop_depth=0: no stacking
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        depth = (kwargs.get("kwargs") or {}).get("loop_depth", 0)
-        if depth == 0:
-            return key_states, value_states
-        self.kv[(layer_idx, depth)] = (key_states, value_states)
-        if depth == 1:
-            return key_states, value_states
-        ks = [self.kv[(layer_idx, j)][0] for j in range(1, depth + 1)]
-        vs = [self.kv[(layer_idx, j)][1] for j in range(1, depth + 1)]
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
-
-
-
-# ------------------------------------------------------------------------------------------------
-# TRL's fused LM head
-# ------------------------------------------------------------------------------------------------
-# TRL 1.x trainers (SFT, DPO, GRPO, RLOO, KTO) call `add_fused_lm_head(model)`, which assigns
-# `model.forward = _fused_forward`: `model(..., labels=, fused_lm_head=True)` then runs only
-# `model.base_model` (the base backbone, once, all layers) and applies `lm_head` itself. For a looped
-# model that trains the plain base and never the heads. `LoopedForCausalLM.__setattr__` installs
-# `_looped_fused_forward` instead: the same contract, computed from the real looped logits.
-def _is_trl_fused_forward(value) -> bool:
-    # functools.wraps copies the model's forward's name and module onto TRL's function: look at its code
-    code = getattr(getattr(value, "__func__", None), "__code__", None)
-    return code is not None and code.co_name == "_fused_forward" and f"{os.sep}trl{os.sep}" in code.co_filename
-
-
-@dataclass
-class LoopedFusedLMOutput(ModelOutput):
-    """The fields of TRL's ``FusedCausalLMOutput`` (defined here: exported remote code must not need TRL)."""
-
-    loss: torch.Tensor | None = None
-    log_probs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    log_sum_sq_probs: torch.Tensor | None = None
-    mean_logits: torch.Tensor | None = None
-    is_top1: torch.Tensor | None = None
-    label_mask: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-
-
-def fused_outputs_from_logits(logits, labels, shift_labels=None, temperature=1.0, num_items_in_batch=None,
-                              outputs=("log_probs",)):
-    """TRL's ``FusedCausalLMOutput`` from full logits ``[B, T, V]`` (TaH2: the mixture logits).
-
-    ``labels`` ``[B, T]`` are unshifted (position t is scored on label t+1; -100 ignored), or
-    ``shift_labels`` ``[B, T]`` already shifted. Per-token fields are ``[B, T-1]`` (``[B, T]`` with
-    ``shift_labels``), zero where ignored; the logits are divided by ``temperature``.
-    """
-    if shift_labels is None:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    else:
-        labels = shift_labels
-    mask = labels != -100
-    z = logits.float() / temperature
-    logp = z.log_softmax(-1)
-    tgt = labels.clamp(min=0)
-    log_probs = logp.gather(-1, tgt[..., None]).squeeze(-1).masked_fill(~mask, 0.0)
-    entropy = log_sum_sq = mean_logits = is_top1 = None
-    if "entropy" in outputs:
-        entropy = -(logp.exp() * logp).sum(-1).masked_fill(~mask, 0.0)
-    if "log_sum_sq_probs" in outputs:
-        log_sum_sq = torch.logsumexp(2 * logp.detach(), -1).masked_fill(~mask, 0.0)
-    if "mean_logits" in outputs:
-        mean_logits = z.detach().mean(-1).masked_fill(~mask, 0.0)
-    if "is_top1" in outputs:
-        is_top1 = (z.detach().argmax(-1) == tgt) & mask
-    n = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    return LoopedFusedLMOutput(loss=-log_probs.sum() / n, log_probs=log_probs, entropy=entropy,
-                               log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits, is_top1=is_top1,
-                               label_mask=mask)
-
-
-def _looped_fused_forward(original, temperature: float = 1.0, outputs=("log_probs",)):
-    @functools.wraps(original)  # generate() validates its kwargs against the signature
-    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
-        if not fused_lm_head:
-            for k, v in (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch)):
-                if v is not None:
-                    kwargs[k] = v
-            return original(self, *args, **kwargs)
-        kwargs["use_cache"] = False
-        out = original(self, *args, **kwargs)  # the full looped forward; no labels, so no loss here
-        return fused_outputs_from_logits(out.logits, labels, shift_labels, temperature, num_items_in_batch, outputs)
-
-    return forward
-
-# ------------------------------------------------------------------------------------------------
 class LoopedForCausalLM(PreTrainedModel):
     """A pretrained causal LM with a looped core and per-token adaptive depth.
 
@@ -255,16 +157,21 @@ class LoopedForCausalLM(PreTrainedModel):
                 m._is_hf_initialized = True
         self.post_init()
 
-    # -- TRL ---------------------------------------------------------------------------------------
+    # -- TRL (retrofit.trl_fused) -------------------------------------------------------------------
     _serves_trl_fused_head = True
 
     def __setattr__(self, name, value):
-        if name == "forward" and _is_trl_fused_forward(value):
-            nonlocals = inspect.getclosurevars(value.__func__).nonlocals
-            fwd = _looped_fused_forward(type(self).forward, nonlocals.get("temperature", 1.0),
-                                        tuple(nonlocals.get("outputs", ("log_probs",))))
-            value = types.MethodType(fwd, self)
+        if name == "forward" and callable(value):
+            trl = _trl_integration()
+            if trl is not None:
+                value = trl.intercept(self, value)
         super().__setattr__(name, value)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
+        if _from_installed_package(cls):  # see _LoopedConfigMixin.register_for_auto_class
+            return
+        return super().register_for_auto_class(auto_class)
 
     # -- structure ---------------------------------------------------------------------------
     @staticmethod
@@ -278,19 +185,28 @@ class LoopedForCausalLM(PreTrainedModel):
 
     @property
     def loop(self) -> LoopConfig:
-        return self.config.loop_config
+        """The ``LoopConfig`` of ``config.loop`` (parsed again whenever that dict changes)."""
+        src = self.config.loop or {}
+        if self.__dict__.get("_loop_src") != src:
+            self.__dict__["_loop_cfg"] = LoopConfig.from_dict(src)
+            self.__dict__["_loop_src"] = dict(src)
+        return self.__dict__["_loop_cfg"]
+
+    def _layer_slice(self, r: range) -> list[nn.Module]:
+        # the decode loop reads these every depth: slice the ModuleList's dict, not item by item
+        return list(self.model.layers._modules.values())[r.start : r.stop]
 
     @property
     def prelude_layers(self) -> list[nn.Module]:
-        return [self.model.layers[i] for i in self._ranges[0]]
+        return self._layer_slice(self._ranges[0])
 
     @property
     def core_layers(self) -> list[nn.Module]:
-        return [self.model.layers[i] for i in self._ranges[1]]
+        return self._layer_slice(self._ranges[1])
 
     @property
     def coda_layers(self) -> list[nn.Module]:
-        return [self.model.layers[i] for i in self._ranges[2]]
+        return self._layer_slice(self._ranges[2])
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -310,10 +226,7 @@ class LoopedForCausalLM(PreTrainedModel):
             return
         super()._init_weights(module)
 
-    # -- activation checkpointing -------------------------------------------------------------
-    # transformers' per-layer checkpointing drops the `cache` argument of a layer that writes to it,
-    # which would silently turn duo-causal attention into same-depth-only attention. We checkpoint
-    # layers ourselves; our K/V store is idempotent under replay.
+    # -- activation checkpointing (retrofit.backends.call_layer) ---------------------------------
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
         self._loop_checkpointing = True
         self._loop_checkpointing_kwargs = dict(gradient_checkpointing_kwargs or {})
@@ -335,26 +248,6 @@ class LoopedForCausalLM(PreTrainedModel):
     def is_gradient_checkpointing(self) -> bool:
         return self._loop_checkpointing
 
-    def _run_layer(self, layer, x, mask, position_embeddings, position_ids, store, depth):
-        kwargs = dict(
-            attention_mask=mask,
-            position_embeddings=position_embeddings,
-            position_ids=position_ids,
-            cache=store,
-            use_cache=False,
-            loop_depth=depth,
-        )
-        if self._loop_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(layer, x, **kwargs, **self._loop_checkpointing_kwargs)
-        return layer(x, **kwargs)
-
-    # -- readout ---------------------------------------------------------------------------------
-    def _readout(self, h, mask, pe, pos, store):
-        """Coda (if any) + final norm + LM head: ``[B, T, H]`` -> ``[B, T, V]``."""
-        for layer in self.coda_layers:
-            h = self._run_layer(layer, h, mask, pe, pos, store, 0)
-        return self.lm_head(self.model.norm(h))
-
     # -- forward -----------------------------------------------------------------------------------
     def forward(
         self,
@@ -373,22 +266,25 @@ class LoopedForCausalLM(PreTrainedModel):
         exit_policy=None,
         exit_threshold: float | None = None,
         step_schedule=None,
+        output_router_logits: bool | None = None,
         **kwargs,
     ) -> LoopedCausalLMOutput:
         """Run the looped model on a full sequence, or decode incrementally with a cache.
 
         With ``cache=`` (a ``retrofit.cache.DepthKVCache``) or ``use_cache=True`` in eval mode, the
-        call is one step of incremental decoding (``retrofit.generation.cached_forward``): only the
-        new tokens run, exited tokens are not computed at deeper depths, and the cache is returned
-        in ``cache``.
+        call is one step of incremental decoding (``retrofit.backends.CachedStep``): only the new
+        tokens run, exited tokens are not computed at deeper depths, and the cache is returned in
+        ``cache``.
 
         Args:
             input_ids: ``[B, T]``.
             attention_mask: ``[B, T]`` 1 for real tokens, 0 for padding (left or right).
             position_ids: ``[B, T]``; defaults to ``0 … T-1``. Resets to 0 mark packed sequences.
-            labels: ``[B, T]`` (shifted inside, -100 ignored) -> ``loss``.
+            labels: ``[B, T]`` (shifted inside, -100 ignored) -> ``loss`` (next-token loss plus the
+                weighted auxiliary loss, see ``output_router_logits``).
             depth: exit depth to force: an int for every token or a ``[B, T]`` tensor, each in
-                ``1 … max_depth``; ``None`` lets the halting method decide.
+                ``1 … max_depth``; ``None`` lets the halting method decide. A forced depth runs no
+                decider: the output is each token's exit-depth readout (no TaH2 mixture).
             output_depth_losses: also return ``depth_nll`` (needs labels).
             output_depth_logits: also return every depth's logits ``[D, B, T, V]``.
             backprop_depth: truncated backprop (Huginn): gradients flow through the last ``k`` core
@@ -401,216 +297,61 @@ class LoopedForCausalLM(PreTrainedModel):
             exit_threshold: the training-free exit's threshold.
             step_schedule: ``"unit"`` (default), ``"taps"`` or a ``StepSchedule``
                 (``retrofit.schedulers.taps``).
+            output_router_logits: with labels, compute the method's auxiliary loss (``aux_loss``)
+                and add ``config.router_aux_loss_coef`` times it to ``loss``; default
+                ``config.output_router_logits`` (True). TaH2's needs the per-depth losses, so it
+                also runs the gradient-free lookahead iteration.
 
         Returns:
             ``LoopedCausalLMOutput``.
         """
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
-        if cache is not None or (use_cache and not self.training and labels is None):
-            from .generation import cached_forward
-
-            return cached_forward(
-                self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                inputs_embeds=inputs_embeds, labels=labels, depth=depth, logits_to_keep=logits_to_keep,
-                output_depth_logits=output_depth_logits, exit_policy=exit_policy, exit_threshold=exit_threshold,
-                step_schedule=step_schedule,
-            )
-        loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "shift_labels", "ignore_index")}
+        cached = cache is not None or bool(use_cache and not self.training and labels is None)
+        if cached and labels is not None:
+            raise ValueError("labels are not supported with a cache; run the full-sequence forward (no cache) for a loss")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        if inputs_embeds is None:
-            inputs_embeds = self.model.embed_tokens(input_ids)
-        B, T, H = inputs_embeds.shape
-        dev = inputs_embeds.device
-        loop = self.loop
-        D = loop.max_depth
-        if position_ids is None:
-            if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-            else:
-                position_ids = torch.arange(T, device=dev)[None].expand(B, T)
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(f"attention_mask must be a [B, T] padding mask, got shape {tuple(attention_mask.shape)}")
-
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T, _ = x.shape
         depth, policy = resolve_exit_policy(exit_policy, exit_threshold, depth)
-        sched = build_step_schedule(step_schedule)
-        forced = self._forced_depths(depth, B, T, dev)
-        need_depth_losses = labels is not None and (output_depth_losses or (self.halting.needs_depth_readout and self.training))
-        need_readout = self.halting.needs_depth_readout or need_depth_losses or output_depth_logits
-        need_readout = need_readout or (policy is not None and policy.needs_logits)
-        lookahead = need_depth_losses  # one gradient-free iteration past each exit (TaH2 §3)
-        mixture = self.halting.mixture_output
+        rule = exit_rule_for(forced_depths(depth, B, T, x.device, self.loop.max_depth), policy)
+        schedule = build_step_schedule(step_schedule)
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", True)
+        want_aux = labels is not None and bool(output_router_logits)
+        depth_losses = labels is not None and (output_depth_losses or (want_aux and self.halting.needs_depth_losses))
 
-        base_vis = base_visibility(B, T, dev, attention_mask, position_ids)
-        dtype = inputs_embeds.dtype
-        plain_mask = to_additive_mask(base_vis, dtype)
-        pe = self.model.rotary_emb(inputs_embeds, position_ids)
-        store = DepthKVStore()
-
-        x = inputs_embeds
-        for layer in self.prelude_layers:
-            x = self._run_layer(layer, x, plain_mask, pe, position_ids, store, 0)
-        e = x
-
-        ctx = self.halting.new_context(self.training)
-        planned = self.halting.plan(e, ctx)
-        # [B, T] or None (online); a training-free policy overrides the method's plan
-        exit_at = forced if forced is not None else (planned if policy is None else None)
-        sstate = sched.init(B * T)
-        pstate = policy.init(B * T) if policy is not None else None
-        all_idx = torch.arange(B * T, device=dev) if policy is not None else None
-
-        # active[j]: token executed depth j + 1; a list, since tensors saved for backward must not be
-        # modified in place
-        active: list[torch.Tensor] = [torch.ones(B, T, dtype=torch.bool, device=dev)]
-        h = None
-        states: list[torch.Tensor] = []
-        depth_nll = torch.full((B, T, D), float("nan"), device=dev) if need_depth_losses else None
-        depth_logits = [] if output_depth_logits else None
-        # streaming TaH2 mixture: log Σ_d π_d softmax(z_d), π_d known right after depth d's decision
-        log_mix = lse_exit = None
-        survive = torch.ones(B, T, device=dev)
-        z_exit = None
-        shift_labels = None
-        if labels is not None and need_depth_losses:
-            shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
-
-        if backprop_depth is not None and (not isinstance(backprop_depth, int) or backprop_depth < 1):
-            raise ValueError(f"backprop_depth must be None or an int >= 1, got {backprop_depth!r}")
-        n_unroll = int(forced.max()) if forced is not None else D
-
-        for d in range(1, D + 1):
-            act = active[d - 1]
-            no_grad_core = backprop_depth is not None and d <= n_unroll - backprop_depth
-            with torch.no_grad() if no_grad_core else contextlib.nullcontext():
-                x_in = e if d == 1 else self.updater(e, h)
-                vis = depth_key_visibility(torch.stack(active), d, loop.attention, base_vis)
-                mask = to_additive_mask(vis, dtype)
-                raw = x_in
-                for layer in self.core_layers:
-                    raw = self._run_layer(layer, raw, mask, pe, position_ids, store, d)
-            if d == 1 or isinstance(sched, UnitStep):
-                new = raw
-            else:  # relaxed step h + η (F(h) - h) (METHODS.md §5)
-                new = sched.step(d, h.reshape(B * T, H), raw.reshape(B * T, H), sstate, None).view(B, T, H)
-            h = new if d == 1 else torch.where(act[..., None], new, h)
-            states.append(h)
-
-            la = (~act) & active[d - 2] if (lookahead and d >= 2) else None
-            z = None
-            if need_readout:
-                has_la = la is not None and bool(la.any())
-                if has_la and not self.coda_layers and depth_logits is None:
-                    # without a coda the readout is per token: one pass serves the executed tokens and
-                    # the lookahead ones (their input detached, and their logits only feed depth_nll,
-                    # so the lookahead stays gradient-free) instead of a second vocabulary-wide readout
-                    z = self._readout(torch.where(la[..., None], raw.detach(), h), plain_mask, pe, position_ids, store)
-                else:
-                    z = self._readout(h, plain_mask, pe, position_ids, store)
-                    if has_la:
-                        with torch.no_grad():
-                            z_la = self._readout(torch.where(la[..., None], raw, h), plain_mask, pe, position_ids, store)
-                        z = torch.where(la[..., None], z_la, z)
-                if depth_logits is not None:
-                    keep = act if la is None else (act | la)
-                    depth_logits.append(z.masked_fill(~keep[..., None], float("nan")))
-                # the mixture's log-softmax doubles as the source of the per-depth losses
-                logp = z.float().log_softmax(-1) if (mixture and self.halting.needs_depth_readout) else None
-                if need_depth_losses:
-                    # = F.cross_entropy(z, shift_labels, reduction="none"), bitwise, without autograd
-                    with torch.no_grad():
-                        src = logp if logp is not None else z.float().log_softmax(-1)
-                        ignore = shift_labels == -100
-                        nll = -src.gather(-1, shift_labels.clamp_min(0)[..., None]).squeeze(-1)
-                        nll = nll.masked_fill(ignore, 0.0)
-                    keep = act if la is None else (act | la)
-                    depth_nll[..., d - 1] = torch.where(keep, nll, torch.full_like(nll, float("nan")))
-
-            # decide who continues to depth d + 1
-            if d < D:
-                probs = None
-                if z is not None and self.halting.needs_depth_readout:
-                    with torch.no_grad():  # decider features: no gradient into the LM through them
-                        probs = z.float().softmax(-1)
-                cont = self.halting.step(d, e, h, probs, ctx)
-                if exit_at is not None:
-                    cont = exit_at > d
-                elif policy is not None:
-                    lp = z.float().log_softmax(-1).reshape(B * T, -1) if policy.needs_logits else None
-                    cont = ~policy.check(d, h.reshape(B * T, H), lp, pstate, all_idx).view(B, T)
-                elif cont is None:
-                    cont = torch.ones_like(act)
-                active.append(act & cont)
-            stop_here = act & ~active[d] if d < D else act
-
-            if z is not None and self.halting.needs_depth_readout:
-                if mixture:
-                    c = ctx.signals[d - 1] if d <= len(ctx.signals) else None
-                    pi = survive if c is None else torch.where(stop_here, survive, survive * (1 - c))
-                    # clamp: a saturated c (= 1.0 in fp32) must not give log(0), whose backward is NaN
-                    log_pi = torch.where(act, pi.clamp_min(1e-30).log(), torch.full_like(pi, float("-inf")))
-                    term = log_pi[..., None] + logp
-                    log_mix = term if log_mix is None else torch.logaddexp(log_mix, term)
-                    with torch.no_grad():  # only a per-token shift of the output (see below)
-                        lse = z.float().logsumexp(-1)
-                    lse_exit = lse if lse_exit is None else torch.where(stop_here, lse, lse_exit)
-                    if c is not None:
-                        survive = survive * c
-                # a mixture reads z_exit only for tokens that exit at depth 1: keep the depth-1
-                # logits instead of a vocabulary-wide select per depth
-                if z_exit is None or not mixture:
-                    z_exit = z if z_exit is None else torch.where(stop_here[..., None], z, z_exit)
-
-            more = d < D and (bool(active[d].any()) or (lookahead and bool(stop_here.any())) or loop.fixed_graph)
-            if not more:
-                break
-
-        active_t = torch.stack(active)
-        depths = active_t.long().sum(0)
-        depth_probs, st = self.halting.distribution(ctx, depths)
-
-        if self.halting.needs_depth_readout:
-            logits = z_exit
-            if mixture:
-                # a token that exits at depth 1 has a one-term mixture: return its raw logits exactly
-                # (the shifted log-mixture equals them only up to float rounding)
-                # lse_exit carries no gradient: a per-token shift of the logits leaves every softmax
-                # and NLL unchanged, so its gradient is 0 in exact arithmetic; skipping it saves
-                # vocabulary-wide backward passes
-                first = depths == 1
-                if not bool(first.all()):  # (skip vocabulary-wide work that selects nothing)
-                    mixed = (log_mix + lse_exit[..., None]).to(z_exit.dtype)
-                    logits = torch.where(first[..., None], z_exit, mixed) if bool(first.any()) else mixed
+        if cached:
+            readout = ((self.halting.needs_depth_readout and rule.runs_decider) or output_depth_logits
+                       or rule.needs_logits)
+            backend = CachedStep(self, cache, x, attention_mask, position_ids, readout)
         else:
-            if st is not None:
-                while len(states) < D:
-                    states.append(states[-1])
-                final = sum(st[..., k, None].to(dtype) * states[k] for k in range(D))
-            else:
-                final = h
-            logits = self._readout(final, plain_mask, pe, position_ids, store)
-
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            logits = logits[:, -logits_to_keep:]
-        elif isinstance(logits_to_keep, torch.Tensor):
-            logits = logits[:, logits_to_keep]
-
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
-
-        signals = torch.stack(ctx.signals, -1) if ctx.signals else None
-        return LoopedCausalLMOutput(
-            loss=loss,
-            logits=logits,
-            depths=depths,
-            depth_probs=depth_probs,
-            halt_signals=signals,
-            depth_logits_q=ctx.extra.get("q_logits"),
-            depth_nll=depth_nll,
-            depth_logits=torch.stack(depth_logits) if depth_logits else None,
-            active=active_t,
+            backend = FullSequence(self, x, attention_mask, position_ids)
+        res = run_depth_loop(
+            self, backend.e, backend, rule, schedule,
+            shift_labels=shifted_labels(labels) if depth_losses else None,
+            output_depth_logits=output_depth_logits, backprop_depth=backprop_depth, logits_to_keep=logits_to_keep,
         )
+        out = LoopedCausalLMOutput(
+            logits=res.logits, depths=res.depths, depth_probs=res.depth_probs, halt_signals=res.halt_signals,
+            depth_logits_q=res.depth_logits_q, depth_nll=res.depth_nll, depth_logits=res.depth_logits,
+            active=res.active, cache=backend.cache if cached else None,
+        )
+        if labels is not None:
+            loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "shift_labels", "ignore_index")}
+            out.loss = self.loss_function(logits=out.logits, labels=labels, vocab_size=self.config.vocab_size,
+                                          **loss_kwargs)
+            aux = None
+            if want_aux and not _halting_signals_finite(out):
+                # diverged decider weights: TaH2's BCE raises on NaN input, so no op runs on them; a NaN
+                # loss instead, which a trainer's NaN stop names (retrofit.training._check_finite)
+                aux = AuxLoss(torch.full((), float("nan"), device=out.loss.device), {})
+            elif want_aux:
+                aux = self.halting.loss(out, labels, self.loop.loss_config, attention_mask)
+            if aux is not None:
+                out.aux_loss, out.aux_metrics = aux.loss, aux.metrics
+                out.loss = out.loss + getattr(self.config, "router_aux_loss_coef", 1.0) * aux.loss
+        return out
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, *args, **kwargs):
@@ -620,34 +361,21 @@ class LoopedForCausalLM(PreTrainedModel):
         with ``return_dict_in_generate=True`` the output also has ``depths`` ``[B, new_tokens]``.
         See ``retrofit.generation``.
         """
-        from .generation import looped_generate
-
         return looped_generate(self, super().generate, *args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # a DynamicCache cannot hold per-depth K/V: default to the depth-aware cache
         if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
-            from .cache import DepthKVCache
-
             model_kwargs["cache"] = DepthKVCache(self.config)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
-    def _forced_depths(self, depth, B, T, dev):
-        if depth is None:
-            return None
-        D = self.loop.max_depth
-        if isinstance(depth, int) and not isinstance(depth, bool):
-            if not 1 <= depth <= D:
-                raise ValueError(f"depth={depth} is out of range: allowed 1..{D} (max_depth)")
-            return torch.full((B, T), depth, dtype=torch.long, device=dev)
-        if isinstance(depth, torch.Tensor):
-            if depth.shape != (B, T):
-                raise ValueError(f"a depth tensor must have shape [B, T] = {(B, T)}, got {tuple(depth.shape)}")
-            depth = depth.to(dev).long()
-            if bool((depth < 1).any()) or bool((depth > D).any()):
-                raise ValueError(f"depth values must lie in 1..{D} (max_depth); got min {int(depth.min())}, max {int(depth.max())}")
-            return depth
-        raise TypeError(f"depth must be None, an int or a [B, T] LongTensor, got {type(depth).__name__}")
+
+def _halting_signals_finite(out: LoopedCausalLMOutput) -> bool:
+    """The decider's outputs (``halt_signals``, ``depth_logits_q``) hold no NaN/inf (True when absent)."""
+    for t in (out.halt_signals, out.depth_logits_q):
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+            return False
+    return True
 
 
 class LoopedLlamaForCausalLM(LoopedForCausalLM, GenerationMixin):

@@ -129,14 +129,20 @@ def written_by_retrofit(folder: str | os.PathLike) -> bool:
     folder = Path(folder)
     if (folder / MARKER).is_file():
         return True
-    # exports made before the marker existed: config.json's auto_map points into bundled retrofit_*.py
+    # exports made before the marker existed: config.json's auto_map points into the bundled code, either
+    # a retrofit_*.py module or the entry module that picks retrofit's classes (retrofit.bundle.ENTRY)
+    from .bundle import ENTRY
+
     cfg = folder / "config.json"
     if cfg.is_file() and (folder / "retrofit_modeling.py").is_file():
         try:
             auto_map = json.loads(cfg.read_text(encoding="utf-8")).get("auto_map", {})
         except (OSError, ValueError, AttributeError):
             return False
-        return isinstance(auto_map, dict) and any(str(v).startswith("retrofit_") for v in auto_map.values())
+        return isinstance(auto_map, dict) and any(
+            str(v).startswith(("retrofit_", f"{ENTRY}.")) and (folder / f"{str(v).split('.')[0]}.py").is_file()
+            for v in auto_map.values()
+        )
     return False
 
 

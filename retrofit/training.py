@@ -1,16 +1,14 @@
-"""SFT for looped models: a TRL ``SFTTrainer`` subclass that runs the real looped forward and adds
-each halting method's auxiliary loss (METHODS.md §3–4), plus the pieces the recipes share.
+"""SFT for looped models: a TRL ``SFTTrainer`` subclass with what SFT needs beyond the model's own
+loss, plus the pieces the recipes share.
 
-Why a subclass: TRL's ``SFTTrainer.compute_loss`` asks the model for per-token log-probabilities
-through its "fused LM head", which for a plain transformers model runs only the backbone
-(ECOSYSTEM.md, TRL; retrofit's looped classes intercept it, see ``retrofit.modeling``). Either way
-it returns the next-token loss alone: no halting distribution, no per-depth losses, no decider
-signals. ``RetrofitSFTTrainer.compute_loss`` calls the looped forward itself and adds
-``method.loss(...)``:
-
-- TaH2: ``L = L_NTP(mixture) + α_D · L_D`` (lookahead labels, cost-sensitive BCE);
-- ANIRA-E/O: ``L = L_CE(answer tokens) + γ · L_C`` (KL to the geometric prior, all tokens);
-- fixed: ``L = L_NTP``, optionally with a random depth per batch and truncated backprop.
+The halting methods' objectives (METHODS.md §3–4) belong to the model: with labels its forward
+returns ``loss`` = next-token loss + the method's weighted ``aux_loss`` (``retrofit.modeling``), so
+TRL's ``SFTTrainer``/``DPOTrainer``/``GRPOTrainer`` and ``transformers.Trainer`` all optimize
+``L_NTP(mixture) + α_D · L_D`` (TaH2), ``L_CE + γ · L_C`` (ANIRA-E/O) or ``L_NTP`` (fixed). The weights
+live in the model's ``LoopConfig``; the ``RetrofitSFTConfig`` fields of the same names override them
+(the trainer writes those set into the model's config). ``compute_loss`` adds the trainer-side
+switches (random depth, truncated backprop), scales the auxiliary loss for gradient accumulation as
+TRL does for a router loss, and records metrics.
 
 It logs, through TRL's ``self._metrics`` (so ``report_to="tensorboard"`` picks them up):
 ``ntp_loss``, ``aux_loss``, ``mean_depth`` (d̄ over non-padding tokens), ``mean_depth_answer``
@@ -22,8 +20,9 @@ TensorBoard writer active it also writes a ``depth_histogram``.
 Robustness:
 
 - a NaN/inf training loss raises ``NonFiniteLossError`` naming the step *before* the backward
-  pass; the loss and the halting signals are checked *before* the method's auxiliary loss too
-  (``_check_finite``), since the decider's BCE raises on NaN input. Weights, gradients and the
+  pass; the loss and the halting signals are checked right after the forward too (``_check_finite``).
+  The forward itself never runs the decider's BCE (which raises on NaN input) on non-finite signals:
+  its auxiliary loss is then NaN (``retrofit.modeling``), which this check names. Weights, gradients and the
   optimizer state are checked before every checkpoint (and the final model) is written: a
   non-finite checkpoint is never written, and the error names the last checkpoint on disk whose
   weights are finite (``retrofit.checkpointing.last_finite_checkpoint``);
@@ -61,6 +60,7 @@ from .checkpointing import (
     staging_path,
 )
 from .config import LoopConfig
+from .config import LOSS_FIELDS
 from .errors import RetrofitUserError
 from .halting.base import AuxLoss, LossConfig
 from .halting.tah2 import next_token_mask
@@ -86,7 +86,10 @@ class RetrofitSFTConfig(SFTConfig):
     """``SFTConfig`` plus the looped methods' loss weights and training switches.
 
     Every paper choice is a field, so an ablation is one flag (``--decider_weighting uniform``,
-    ``--rho 1.0``). Model-side switches (``train_decisions="sample"``, ``mixture_output=False``,
+    ``--rho 1.0``). The loss weights (``alpha_d``, ``rho``, ``decider_weighting``, ``gamma``,
+    ``prior_base``) default to None, "the model's": the model's ``LoopConfig`` holds them, and a value
+    set here overrides it (the trainer writes it into the model's config, so the saved checkpoint
+    records it). Model-side switches (``train_decisions="sample"``, ``mixture_output=False``,
     ``fixed_graph``) live in ``LoopConfig``; the recipes expose them as flags too.
 
     On a machine without CUDA, ``bf16`` defaults to False (TRL defaults it to True). Unused
@@ -94,18 +97,17 @@ class RetrofitSFTConfig(SFTConfig):
     ``ddp_find_unused_parameters`` defaults to True.
     """
 
-    alpha_d: float = field(default=0.05, metadata={"help": "TaH2: weight α_D of the decider loss (METHODS.md §3: 0.05)."})
-    rho: float = field(
-        default=0.99,
-        metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels (0.99); 1.0 = keep every positive gain (ablation)."},
+    # loss weights: None = the model's LoopConfig value (defaults in brackets)
+    alpha_d: float | None = field(default=None, metadata={"help": "TaH2: weight α_D of the decider loss [0.05]."})
+    rho: float | None = field(
+        default=None, metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels [0.99]; 1.0 = every positive gain."}
     )
-    decider_weighting: str = field(
-        default="distance",
-        metadata={"help": "TaH2: BCE weights, 'distance' = |δ - κ| (cost-sensitive) or 'uniform' (ablation)."},
+    decider_weighting: str | None = field(
+        default=None, metadata={"help": "TaH2: BCE weights, 'distance' = |δ - κ| [default] or 'uniform' (ablation)."}
     )
-    gamma: float = field(default=0.01, metadata={"help": "ANIRA: weight γ of the KL-to-prior loss L_C (§4)."})
-    prior_base: float = field(
-        default=2.0, metadata={"help": "ANIRA: base b of the depth prior p(d) ∝ b^(-d); 1 = entropy term only."}
+    gamma: float | None = field(default=None, metadata={"help": "ANIRA: weight γ of the KL-to-prior loss L_C [0.01]."})
+    prior_base: float | None = field(
+        default=None, metadata={"help": "ANIRA: base b of the depth prior p(d) ∝ b^(-d) [2]; 1 = entropy term only."}
     )
     random_depth: bool = field(
         default=False,
@@ -149,14 +151,14 @@ class RetrofitSFTConfig(SFTConfig):
         super().__post_init__()
 
     @property
+    def loss_overrides(self) -> dict:
+        """The loss weights set here (not None): what the trainer writes into the model's ``LoopConfig``."""
+        return {k: getattr(self, k) for k in LOSS_FIELDS if getattr(self, k) is not None}
+
+    @property
     def loss_config(self) -> LossConfig:
-        return LossConfig(
-            alpha_d=self.alpha_d,
-            rho=self.rho,
-            decider_weighting=self.decider_weighting,
-            gamma=self.gamma,
-            prior_base=self.prior_base,
-        )
+        """The overrides on top of the default weights (the model's own may differ where none is set)."""
+        return LossConfig(**self.loss_overrides)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,6 +370,10 @@ class RetrofitSFTTrainer(SFTTrainer):
         if not isinstance(args, RetrofitSFTConfig):
             raise TypeError(f"args must be a RetrofitSFTConfig, got {type(args).__name__}")
         self._looped = _unwrap_looped(model)
+        if args.loss_overrides:
+            # the model computes its auxiliary loss from its LoopConfig: a new dict, so it is re-read
+            self._looped.config.loop = {**(self._looped.config.loop or {}), **args.loss_overrides}
+            self._looped.loop  # noqa: B018  (validates the new weights)
         self._staging_root: str | None = None
         self._depth_counts = {"train": None, "eval": None}
         self.data_report: dict[str, dict] = {}
@@ -457,6 +463,8 @@ class RetrofitSFTTrainer(SFTTrainer):
 
     # -- loss --------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The looped forward's loss (next-token + the method's auxiliary loss, ``retrofit.modeling``),
+        with the trainer-side switches (random depth, truncated backprop) and metrics."""
         mode = "train" if self.model.training else "eval"
         method = self._looped.halting
         labels = inputs["labels"]
@@ -467,31 +475,36 @@ class RetrofitSFTTrainer(SFTTrainer):
                 fwd[key] = inputs[key]
         if num_items_in_batch is not None:
             fwd["num_items_in_batch"] = num_items_in_batch
-        if method.needs_depth_losses:
-            fwd["output_depth_losses"] = True
         if mode == "train":
             fwd.update(method.train_forward_kwargs(self.args))
             if self.args.truncate_backprop is not None:
                 fwd["backprop_depth"] = self.args.truncate_backprop
         outputs = model(**fwd)
 
-        ntp = outputs.loss
+        # outputs.loss = next-token loss + coef · aux_loss; split it to scale the parts as TRL does
+        coef = getattr(self._looped.config, "router_aux_loss_coef", 1.0)
+        weighted_aux = coef * outputs.aux_loss if outputs.aux_loss is not None else None
+        ntp = outputs.loss if weighted_aux is None else outputs.loss - weighted_aux
+        loss = outputs.loss
         # like Trainer/TRL: num_items_in_batch counts every rank's tokens and DDP averages gradients
+        scale = 1
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            ntp = ntp * (self.accelerator.num_processes // self.get_tp_size())
-        if mode == "train":  # before method.loss: the decider's BCE raises on NaN input
+            scale = self.accelerator.num_processes // self.get_tp_size()
+        if mode == "train":
+            # before anything reads the outputs further. The forward already turned a non-finite decider
+            # into a NaN auxiliary loss instead of running TaH2's BCE on it (which raises on NaN input)
             self._check_finite(ntp, outputs=outputs)
-        aux: AuxLoss | None = method.loss(outputs, labels, self.args.loss_config, attention_mask)
-        loss = ntp
-        if aux is not None:
-            # a per-micro-batch mean: when num_items_in_batch is given the Trainer no longer divides
-            # by the accumulation steps, so we do (as TRL does for the MoE aux loss)
-            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None and mode == "train" else 1
-            loss = loss + aux.loss / steps
+        # the auxiliary loss is a per-micro-batch mean: when num_items_in_batch is given the Trainer no
+        # longer divides by the accumulation steps, so we do (as TRL does for the MoE aux loss)
+        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None and mode == "train" else 1
+        if scale != 1 or (weighted_aux is not None and steps != 1):
+            loss = ntp * scale + (weighted_aux / steps if weighted_aux is not None else 0)
+        aux = AuxLoss(weighted_aux, outputs.aux_metrics or {}) if weighted_aux is not None else None
 
         if mode == "train":
+            # guards the total loss (next-token and auxiliary parts alike) before the backward pass
             self._check_finite(loss, ntp, aux)
-        self._record_metrics(mode, outputs, labels, attention_mask, aux, num_items_in_batch)
+        self._record_metrics(mode, outputs, labels, attention_mask, aux, num_items_in_batch, ntp)
         return (loss, outputs) if return_outputs else loss
 
     def _check_finite(self, loss, ntp=None, aux=None, outputs=None) -> None:
@@ -500,9 +513,10 @@ class RetrofitSFTTrainer(SFTTrainer):
         Where ``compute_loss`` must call it (train mode), so that no operation ever sees a
         non-finite input it would raise on and no bad update is applied:
 
-        1. right after the model's forward and *before* ``method.loss(...)``:
-           ``self._check_finite(ntp, outputs=outputs)`` — TaH2's decider loss is a BCE, which raises
-           "all elements of input should be between 0 and 1" on a NaN continue probability;
+        1. right after the model's forward: ``self._check_finite(ntp, outputs=outputs)``. The forward
+           computes the method's auxiliary loss itself; on non-finite halting signals it returns a NaN
+           ``aux_loss`` instead of running TaH2's BCE (which raises "all elements of input should be
+           between 0 and 1" on a NaN continue probability), so this check names the signals;
         2. on the total loss, before it is returned to the backward pass:
            ``self._check_finite(loss, ntp, aux)``.
 
@@ -636,7 +650,7 @@ class RetrofitSFTTrainer(SFTTrainer):
         return resume_from_checkpoint
 
     @torch.no_grad()
-    def _record_metrics(self, mode, outputs, labels, attention_mask, aux: AuxLoss | None, num_items_in_batch):
+    def _record_metrics(self, mode, outputs, labels, attention_mask, aux: AuxLoss | None, num_items_in_batch, ntp):
         D = self._looped.loop.max_depth
         depths = outputs.depths
         valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(depths, dtype=torch.bool)
@@ -646,8 +660,8 @@ class RetrofitSFTTrainer(SFTTrainer):
         shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
         correct = ((logits.argmax(-1) == shift) & ans).sum().float()
         n_ans = ans.sum().float()
-        # the model's loss is this micro-batch's NLL sum over num_items_in_batch (or its own count)
-        ntp_sum = outputs.loss.detach().float() * (
+        # the next-token loss is this micro-batch's NLL sum over num_items_in_batch (or its own count)
+        ntp_sum = ntp.detach().float() * (
             num_items_in_batch if num_items_in_batch is not None else n_ans.clamp_min(1)
         )
         aux_names = sorted(aux.metrics) if aux is not None else []
@@ -683,6 +697,14 @@ class RetrofitSFTTrainer(SFTTrainer):
             m["num_tokens"] = [self._total_train_tokens]
         acc = self._depth_counts[mode]
         self._depth_counts[mode] = counts_t.cpu() if acc is None else acc + counts_t.cpu()
+
+    # -- model card --------------------------------------------------------------------------------
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """The run folder's ``README.md``: retrofit's card, not TRL's ("a fine-tuned version of [None]")."""
+        if self.is_world_process_zero():
+            from .model_card import write_run_card
+
+            write_run_card(self._looped, self.args.output_dir, repo_id=self.args.hub_model_id)
 
     # -- logging -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -77,19 +77,21 @@ def _release(v: str) -> tuple[int, ...]:
     return rel + (0,) * (3 - len(rel))
 
 
-def find_problems(versions: dict[str, str | None] | None = None) -> list[VersionProblem]:
+def find_problems(versions: dict[str, str | None] | None = None, packages=None) -> list[VersionProblem]:
     """Installed packages outside ``SUPPORTED``.
 
     Args:
         versions: package -> version string (None = not installed); defaults to what is installed.
+        packages: check only these keys of ``SUPPORTED`` (default: all).
 
     Returns:
         One ``VersionProblem`` per package outside its range (empty when all is well).
     """
+    wanted = {p: r for p, r in SUPPORTED.items() if packages is None or p in packages}
     if versions is None:
-        versions = {p: installed_version(p) for p in SUPPORTED}
+        versions = {p: installed_version(p) for p in wanted}
     problems = []
-    for package, (lo, hi) in SUPPORTED.items():
+    for package, (lo, hi) in wanted.items():
         found = versions.get(package)
         if found is None:
             continue
@@ -102,13 +104,16 @@ def find_problems(versions: dict[str, str | None] | None = None) -> list[Version
     return problems
 
 
-def check_versions(action: str = "raise", versions: dict[str, str | None] | None = None) -> list[VersionProblem]:
+def check_versions(action: str = "raise", versions: dict[str, str | None] | None = None,
+                   packages=None) -> list[VersionProblem]:
     """Fail early on an untested version of transformers, TRL or PEFT.
 
     Args:
         action: ``"raise"`` (``UnsupportedVersionError``), ``"warn"`` (a ``UserWarning``) or
             ``"ignore"`` (only return the problems).
         versions: package -> version, overriding what is installed (tests).
+        packages: check only these packages (default: all of ``SUPPORTED``); the modeling code,
+            which also ships in exported folders, checks transformers only.
 
     Returns:
         The problems found (empty when every installed package is in range, or when the
@@ -122,7 +127,7 @@ def check_versions(action: str = "raise", versions: dict[str, str | None] | None
         raise ValueError(f"action must be 'raise', 'warn' or 'ignore', got {action!r}")
     if os.environ.get(SKIP_ENV, "").strip().lower() in ("1", "true", "yes"):
         return []
-    problems = find_problems(versions)
+    problems = find_problems(versions, packages)
     if not problems or action == "ignore":
         return problems
     pins = " ".join(f"'{p.requirement}'" for p in problems)

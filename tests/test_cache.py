@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from retrofit import LoopConfig, convert
-from retrofit.cache import DepthKVCache, _Pack
+from retrofit.cache import DepthKVCache
+from retrofit.loop import Pack as _Pack
 from retrofit.testing import tiny_base
 
 IDS = torch.randint(4, 104, (3, 9), generator=torch.Generator().manual_seed(0))

@@ -213,8 +213,20 @@ def test_bundled_code_needs_only_torch_transformers_and_hub(tmp_path):
 
     for fname, text in bundle_modules(["retrofit.modeling"]).items():
         (tmp_path / fname).write_text(text)
-        extra = set(get_imports(tmp_path / fname)) - set(sys.stdlib_module_names) - {"torch", "transformers", "huggingface_hub"}
+        extra = set(get_imports(tmp_path / fname)) - set(sys.stdlib_module_names) - ALLOWED_IMPORTS
         assert not extra, f"{fname} imports {sorted(extra)}"
+
+
+# what exported code may import: torch, transformers and transformers' own hard requirements
+ALLOWED_IMPORTS = {"torch", "transformers", "huggingface_hub", "packaging"}
+
+
+def test_allowed_imports_are_transformers_requirements():
+    from importlib.metadata import requires
+
+    hard = {r.split(";")[0].split("<")[0].split(">")[0].split("=")[0].strip().replace("-", "_")
+            for r in requires("transformers") if "extra ==" not in r}
+    assert ALLOWED_IMPORTS - {"torch", "transformers"} <= hard
 
 
 def test_bundle_of_retrofit_follows_the_import_graph():
@@ -229,10 +241,19 @@ def test_bundle_of_retrofit_follows_the_import_graph():
                     assert target in files, f"{fname} imports {node.module}, not bundled"
                 else:
                     assert all(a.name + ".py" in files for a in node.names)
-    for m in ("modeling", "config", "heads", "attention", "families", "halting", "halting_tah2", "halting_anira"):
+    for m in ("modeling", "config", "heads", "attention", "families", "halting", "halting_tah2", "halting_anira",
+              "loop", "backends", "outputs", "cache", "versions"):
         assert f"retrofit_{m}.py" in files
     assert flat_name("retrofit") + ".py" not in files  # the root __init__ registers Auto classes
     assert "retrofit_export.py" not in files and "retrofit_loading.py" not in files
+    # the TRL integration stays out: exported code neither imports nor mentions a TRL module
+    assert "retrofit_trl_fused.py" not in files
+    for fname, text in files.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                assert "trl" not in (node.module or "").split(".")[0].split("_"), (fname, node.module)
+            if isinstance(node, ast.Import):
+                assert not any(a.name.split(".")[0] == "trl" for a in node.names), fname
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,17 +284,23 @@ def test_export_folder_contents(exported):
     assert "model.safetensors" in names and "generation_config.json" in names and "tokenizer.json" in names
     assert not any(n.endswith((".bin", ".pt", ".pth", ".pkl", ".pickle")) for n in names)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["auto_map"] == {"AutoConfig": "retrofit_modeling.LoopedLlamaConfig",
-                               "AutoModelForCausalLM": "retrofit_modeling.LoopedLlamaForCausalLM"}
+    assert cfg["auto_map"] == {"AutoConfig": "modeling_looped.LoopedLlamaConfig",
+                               "AutoModelForCausalLM": "modeling_looped.LoopedLlamaForCausalLM"}
     assert cfg["loop"] == m1.config.loop_config.to_dict()
     for f in names:
         if f.endswith(".py"):
             text = (out / f).read_text()
-            for node in ast.walk(ast.parse(text)):
+            tree = ast.parse(text)
+            # only the entry module names the retrofit package, and only inside its try block
+            tried = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for b in t.body for n in ast.walk(b)}
+            for node in ast.walk(tree):
+                names_ = []
                 if isinstance(node, ast.Import):
-                    assert not any(a.name.split(".")[0] == "retrofit" for a in node.names), f
+                    names_ = [a.name for a in node.names]
                 if isinstance(node, ast.ImportFrom) and node.level == 0:
-                    assert node.module.split(".")[0] != "retrofit", f
+                    names_ = [node.module]
+                if any(n.split(".")[0] == "retrofit" for n in names_):
+                    assert f == "modeling_looped.py" and id(node) in tried, f
             assert "AutoConfig.register" not in text
     assert not [p for p in exported["root"].iterdir() if p.name.startswith(".")]  # no temp folders left
 
@@ -323,6 +350,69 @@ def test_loads_without_trust_remote_code_when_retrofit_is_installed(exported):
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         assert CONFIG_MAPPING[model.config.model_type] is type(model.config)
+
+
+INSTALLED_LOADER = r"""
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+
+job = json.loads(sys.argv[1])
+model = AutoModelForCausalLM.from_pretrained(job["folder"], trust_remote_code=True).eval()  # retrofit not imported yet
+import retrofit
+
+assert type(model) is retrofit.LoopedLlamaForCausalLM, type(model)
+assert isinstance(model, retrofit.LoopedForCausalLM) and isinstance(model.config, retrofit.LoopedLlamaConfig)
+assert not [m for m in sys.modules if m.startswith("transformers_modules") and "retrofit_" in m], "bundled copy imported"
+with torch.no_grad():
+    out = model(torch.tensor(job["ids"]))
+model.save_pretrained(job["resave"])  # retrofit's classes stay out of remote-code saving
+torch.save({"logits": out.logits, "depths": out.depths}, job["out"])
+"""
+
+
+@pytest.mark.integration
+def test_trust_remote_code_where_retrofit_is_installed_gives_retrofits_classes(exported, tmp_path):
+    """A fresh process with retrofit installed but not yet imported, loading with trust_remote_code=True:
+    the entry module returns retrofit's own classes (one set of classes), not the bundled copy."""
+    m1, out1 = exported["llama"]
+    job = {"folder": str(out1), "ids": PROBE.tolist(), "out": str(tmp_path / "res.pt"), "resave": str(tmp_path / "re")}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
+               HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", INSTALLED_LOADER, json.dumps(job)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = torch.load(tmp_path / "res.pt")
+    with torch.no_grad():
+        ref = m1(PROBE)
+    torch.testing.assert_close(res["logits"], ref.logits, rtol=0, atol=1e-5)
+    assert torch.equal(res["depths"], ref.depths)
+    assert not list((tmp_path / "re").glob("*.py"))
+
+
+VERSION_LOADER = FRESH_LOADER.split("import torch\n", 1)[0] + r"""
+import importlib.metadata as md
+from transformers import AutoModelForCausalLM
+
+real = md.version
+md.version = lambda name: "6.0.0" if name == "transformers" else real(name)
+try:
+    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+except ImportError as e:
+    print("REFUSED:", e)
+"""
+
+
+@pytest.mark.integration
+def test_exported_code_carries_its_own_version_check(exported, tmp_path):
+    _, out1 = exported["llama"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
+               HF_HOME=str(tmp_path / "hf_home"))
+    proc = subprocess.run([sys.executable, "-I", "-c", VERSION_LOADER, str(out1)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "REFUSED:" in proc.stdout and "transformers 6.0.0 is installed" in proc.stdout, proc.stdout
 
 
 def test_model_card(exported):

@@ -17,7 +17,7 @@ from transformers import DynamicCache, TextStreamer
 
 from retrofit import LoopConfig, convert
 from retrofit.cache import DepthKVCache
-from retrofit.generation import LoopedGenerateOutput
+from retrofit.outputs import LoopedGenerateOutput
 from retrofit.testing import char_tokenizer, tiny_base
 
 SPLITS = {"whole": {"prelude": 0, "core": None}, "middle": {"prelude": 1, "core": 3}}
@@ -298,3 +298,25 @@ def test_cost_report_against_hand_counts(tok):
     g = generate_cost(model, out)
     assert g["n_tokens"] == 4 and g["mean_depth"] == 2.0
     assert generate_cost(model, out, include_prompt=True)["n_tokens"] == 2 + 4 - 1
+
+
+@pytest.mark.parametrize("split", ["whole", "middle"])
+@pytest.mark.parametrize("attention", ["duo-causal", "same-depth"])
+def test_shared_depth_steps_match_full_forward(split, attention, monkeypatch):
+    """One-token steps in which every row runs the same depths take the cache's uniform path (one slot
+    shared by all rows, written by slicing); once depths mix, the general path takes over. Both equal
+    the full forward."""
+    from retrofit.kv_stores import TaggedKV
+
+    calls = []
+    orig = TaggedKV._begin_uniform
+    monkeypatch.setattr(TaggedKV, "_begin_uniform", lambda self, *a: calls.append(a[0]) or orig(self, *a))
+    model = looped("llama", "fixed", split, attention)
+    depths = torch.full_like(DEPTHS, 3)
+    depths[:, 8:] = DEPTHS[:, 8:]  # the last steps mix depths (exits below depth 3: same-depth reads them)
+    with torch.no_grad():
+        full = model(IDS, depth=depths)
+    logits, got, cache = decode_stepwise(model, IDS, depths)
+    torch.testing.assert_close(logits, full.logits, atol=1e-4, rtol=0)
+    assert torch.equal(got, depths) and cache.executed_pairs() == int(depths.sum())
+    assert sorted(set(calls)) == [1, 2, 3] and len(calls) >= 3 * 4  # steps 4..7 at least took the uniform path

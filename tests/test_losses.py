@@ -20,6 +20,9 @@ from retrofit.halting.fixed import sample_poisson_lognormal_depth
 from retrofit.halting.tah2 import decider_loss, gain_cutoff, lookahead_labels, next_token_mask
 from retrofit.testing import tiny_base
 
+from references import brute_force_labels as _brute_force_labels
+from references import direct_kl_to_prior, hand_decider_loss, hand_mixture_weights
+
 NAN = float("nan")
 
 
@@ -90,44 +93,6 @@ def test_gain_cutoff_examples():
     assert gain_cutoff(g[torch.isfinite(g)], 0.6).item() == 0.25
     assert gain_cutoff(g[torch.isfinite(g)], 1.0).item() == 0.25
     assert gain_cutoff(torch.tensor([-1.0, 0.0]), 0.99).item() == 0.0
-
-
-def _brute_force_labels(nll, mask, rho):
-    """Python loops over tokens and depths: the rule as written in METHODS.md §3."""
-    B, T, D = nll.shape
-    nll = nll.double().tolist()
-    deltas = {}
-    for b in range(B):
-        for t in range(T):
-            if not mask[b][t]:
-                continue
-            for d in range(D - 1):
-                a, c = nll[b][t][d], nll[b][t][d + 1]
-                if math.isfinite(a) and math.isfinite(c):
-                    deltas[(b, t, d)] = a - c
-    gains = sorted((g for g in deltas.values() if g > 0), reverse=True)
-    if gains:
-        total, acc, kappa = sum(gains), 0.0, None
-        for g in gains:
-            acc += g
-            kappa = g
-            if acc >= rho * total:
-                break
-    else:
-        kappa = 0.0
-    labels, weights = {}, {}
-    for b in range(B):
-        for t in range(T):
-            stopped = False
-            for d in range(D - 1):
-                if (b, t, d) not in deltas:
-                    continue
-                g = deltas[(b, t, d)]
-                y = 0 if stopped else int(g >= kappa and g > 0)
-                stopped = stopped or y == 0
-                labels[(b, t, d)] = y
-                weights[(b, t, d)] = abs(g - kappa)
-    return kappa, labels, weights
 
 
 def _random_depth_nll(B, T, D, gen):
@@ -214,21 +179,54 @@ def test_tah2_loss_uses_depth_nll_and_signals():
     out = model(ids, labels=labels)
     cfg = LossConfig()
     aux = model.halting.loss(out, labels, cfg)
-    lab = lookahead_labels(out.depth_nll, next_token_mask(labels), cfg.rho, n_decisions=out.halt_signals.shape[-1])
-    ref, _ = decider_loss(out.halt_signals, lab, "distance")
+    ref, n = hand_decider_loss(out.depth_nll, labels, out.halt_signals)
     assert torch.allclose(aux.loss, cfg.alpha_d * ref)
-    assert aux.metrics["decisions"].item() == lab.decided.sum().item() > 0
-    # prompt positions (no next-token label) are never supervised
-    assert not lab.decided[:, :3].any()
+    assert aux.metrics["decisions"].item() == n > 0
+    # the forward's own loss: the mixture NLL plus the weighted decider loss, the latter in aux_loss
+    ntp = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    torch.testing.assert_close(out.aux_loss, cfg.alpha_d * ref)
+    torch.testing.assert_close(out.loss, ntp + cfg.alpha_d * ref)
+    # prompt positions (no next-token label) are never supervised: their depth losses are 0, not gains
+    assert (out.depth_nll[:, :3].nan_to_num() == 0).all()
 
 
 def test_tah2_loss_in_eval_needs_depth_losses():
     model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=2, method="tah2")).eval()
     ids, labels = _batch()
+    # without the auxiliary loss the forward skips the per-depth losses, which the method's loss needs
+    plain = model(ids, labels=labels, output_router_logits=False)
+    assert plain.depth_nll is None and plain.aux_loss is None
     with pytest.raises(ValueError, match="output_depth_losses"):
-        model.halting.loss(model(ids, labels=labels), labels, LossConfig())
-    out = model(ids, labels=labels, output_depth_losses=True)
+        model.halting.loss(plain, labels, LossConfig())
+    out = model(ids, labels=labels, output_depth_losses=True, output_router_logits=False)
     assert torch.isfinite(model.halting.loss(out, labels, LossConfig()).loss)
+    # by default (config.output_router_logits) the eval forward computes it too
+    default = model(ids, labels=labels)
+    torch.testing.assert_close(default.aux_loss, model.halting.loss(out, labels, LossConfig()).loss)
+
+
+def test_lookahead_loss_equals_forcing_the_token_one_depth_deeper():
+    """ℓ^(d*+1) of the lookahead iteration = the loss when that token alone is forced to d* + 1."""
+    model = _mixed_depth_tah2(seed=3, prelude=0).eval()
+    ids, labels = _batch(B=2, T=12, seed=5, prompt=0)
+    with torch.no_grad():
+        out = model(ids, labels=labels, output_depth_losses=True)
+    D = model.loop.max_depth
+    shift = F.pad(labels[:, 1:], (0, 1), value=-100)
+    cand = [(b, t) for b in range(2) for t in range(11) if out.depths[b, t] < D]
+    assert len(cand) >= 3, "the test needs tokens that exited early"
+    for b, t in cand[:4]:
+        k = int(out.depths[b, t])
+        for forced_k, col in ((k, k - 1), (k + 1, k)):  # the exit depth and the lookahead depth
+            depth = out.depths.clone()
+            depth[b, t] = forced_k
+            with torch.no_grad():
+                rerun = model(ids, depth=depth).logits[b, t]
+            want = F.cross_entropy(rerun[None], shift[b, t : t + 1]).item()
+            assert out.depth_nll[b, t, col].item() == pytest.approx(want, abs=2e-5), (b, t, forced_k)
+        assert torch.isnan(out.depth_nll[b, t, k + 1 :]).all()  # nothing beyond the lookahead
+        delta = out.depth_nll[b, t, k - 1] - out.depth_nll[b, t, k]
+        assert torch.isfinite(delta)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -266,17 +264,21 @@ def test_kl_with_log_q_equals_kl_from_q():
 @pytest.mark.parametrize("method", ["anira-e", "anira-o"])
 def test_anira_loss_is_gamma_times_masked_mean_kl(method):
     torch.manual_seed(0)
-    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(prelude=1, core=4, max_depth=3, method=method)).train()
+    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(prelude=1, core=4, max_depth=3, method=method,
+                                                                     gamma=0.3, prior_base=2.0)).train()
     ids, labels = _batch()
     attn = torch.ones_like(ids)
     attn[1, -3:] = 0  # padding
     out = model(ids, attention_mask=attn, labels=labels)
     cfg = LossConfig(gamma=0.3, prior_base=2.0)
     aux = model.halting.loss(out, labels, cfg, attention_mask=attn)
-    kl = kl_to_prior(out.depth_probs, 2.0)
-    ref = kl[attn.bool()].mean()  # all non-pad tokens, prompt included
-    assert torch.allclose(aux.loss, 0.3 * ref, atol=1e-6)
+    ref = direct_kl_to_prior(out.depth_probs.detach(), 2.0)[attn.bool()].mean()  # all non-pad tokens, prompt too
+    assert aux.loss.item() == pytest.approx(0.3 * ref.item(), abs=1e-6)
     assert aux.metrics["kl_prior"].item() == pytest.approx(ref.item(), abs=1e-6)
+    # the model's forward used the weights of its LoopConfig: the same auxiliary loss, added to its loss
+    assert out.aux_loss.item() == pytest.approx(0.3 * ref.item(), abs=1e-6)
+    ntp = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    assert out.loss.item() == pytest.approx(ntp.item() + 0.3 * ref.item(), abs=1e-5)
 
 
 @pytest.mark.parametrize("method", ["anira-e", "anira-o"])
@@ -287,8 +289,9 @@ def test_straight_through_passes_ce_gradient_to_the_decider(method):
     torch.nn.init.normal_(model.updater.w2.weight, std=0.05)
     ids, labels = _batch()
     torch.manual_seed(1)
-    out = model(ids, labels=labels)
-    out.loss.backward()  # CE only: γ = 0
+    out = model(ids, labels=labels, output_router_logits=False)
+    assert out.aux_loss is None
+    out.loss.backward()  # CE only: no γ · L_C
     grads = [p.grad for p in model.halting.parameters()]
     assert all(g is not None for g in grads)
     assert sum(g.abs().sum() for g in grads) > 0
@@ -354,10 +357,14 @@ def _method_model(name, seed=0):
 
 
 def _total_loss(model, ids, labels, cfg):
-    out = model(ids, labels=labels, output_depth_losses=model.halting.needs_depth_losses)
+    """The forward's loss, which holds the weighted auxiliary loss (checked against the method's)."""
+    out = model(ids, labels=labels)
     aux = model.halting.loss(out, labels, cfg)
     assert aux is None or isinstance(aux, AuxLoss)
-    return out.loss + (aux.loss if aux is not None else 0.0), out, aux
+    assert (aux is None) == (out.aux_loss is None)
+    if aux is not None:
+        torch.testing.assert_close(out.aux_loss, aux.loss)
+    return out.loss, out, aux
 
 
 @pytest.mark.parametrize("name", sorted(HALTING_METHODS))
@@ -417,10 +424,10 @@ def test_loss_config_validation():
 # ------------------------------------------------------------------------------------------------
 # TaH2 training forward: the fast paths equal the reference computation
 # ------------------------------------------------------------------------------------------------
-def _mixed_depth_tah2(seed=0):
+def _mixed_depth_tah2(seed=0, **loop):
     """A TaH2 model whose decider stops about half the tokens at depth 1 (and a non-trivial updater)."""
     torch.manual_seed(seed)
-    model = retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=3, method="tah2")).train()
+    model = retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=3, method="tah2", **loop)).train()
     with torch.no_grad():
         torch.nn.init.normal_(model.updater.w2.weight, std=0.05)
         fc2 = model.halting.decider.fc2
@@ -431,9 +438,8 @@ def _mixed_depth_tah2(seed=0):
 
 def test_tah2_training_forward_matches_reference_mixture_and_losses():
     """Loss, gradients and per-depth losses of the training forward (one readout per depth, the
-    lookahead folded into it, shift detached) equal a direct computation from the per-depth logits."""
-    from retrofit.halting.tah2 import mixture_weights
-
+    lookahead folded into it, shift detached) equal a direct computation from the per-depth logits:
+    the mixture NLL plus α_D times the decider loss, both written out."""
     model = _mixed_depth_tah2()
     ids, labels = _batch(B=3, T=14)
     out = model(ids, labels=labels)
@@ -447,13 +453,17 @@ def test_tah2_training_forward_matches_reference_mixture_and_losses():
     torch.testing.assert_close(ref.depth_nll, out.depth_nll, equal_nan=True)
     z = ref.depth_logits  # [D, B, T, V], NaN beyond each token's lookahead
     D = z.shape[0]
-    pi = mixture_weights(list(ref.halt_signals.unbind(-1)), ref.depths, D)  # [B, T, D]
+    pi = hand_mixture_weights(ref.halt_signals, ref.depths, D)  # [B, T, D]
     probs = sum(pi[..., d, None] * torch.nan_to_num(z[d]).softmax(-1) for d in range(D))
     shift = F.pad(labels[:, 1:], (0, 1), value=-100)
     m = shift != -100
     nll = -probs.gather(-1, shift.clamp_min(0)[..., None]).squeeze(-1).log()
-    assert torch.allclose(out.loss, nll[m].mean(), atol=1e-5)
-    nll[m].mean().backward()
+    l_d, n = hand_decider_loss(ref.depth_nll, labels, ref.halt_signals)
+    assert n > 0
+    total = nll[m].mean() + model.loop.alpha_d * l_d
+    assert torch.allclose(out.loss, total, atol=1e-5)
+    assert torch.allclose(out.aux_loss, model.loop.alpha_d * l_d, atol=1e-6)
+    total.backward()
     for n, g in fast.items():
         torch.testing.assert_close(g, model.get_parameter(n).grad, atol=1e-5, rtol=1e-4, msg=n)
     # per-depth losses are the cross-entropy of the per-depth logits (the lookahead depth included)
@@ -461,3 +471,32 @@ def test_tah2_training_forward_matches_reference_mixture_and_losses():
         fin = torch.isfinite(out.depth_nll[..., d])
         ce = F.cross_entropy(torch.nan_to_num(z[d]).flatten(0, 1), shift.flatten(), reduction="none").view_as(shift)
         assert torch.equal(out.depth_nll[..., d][fin], ce.detach()[fin])
+
+
+@pytest.mark.parametrize("name", sorted(HALTING_METHODS))
+def test_forced_depth_has_no_auxiliary_loss(name):
+    """A forced depth runs no decider, so there is no decision to supervise: the loss is the next-token
+    loss alone, for every method."""
+    model = _method_model(name).train()
+    ids, labels = _batch()
+    out = model(ids, labels=labels, depth=2)
+    assert out.aux_loss is None and model.halting.loss(out, labels, LossConfig()) is None
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()))
+
+
+@pytest.mark.parametrize("method", ["tah2", "anira-e", "anira-o"])
+def test_nan_decider_gives_a_nan_aux_loss_not_an_error(method):
+    """Diverged decider weights: the forward returns a NaN ``aux_loss`` (TaH2's BCE would raise on its
+    NaN continue probabilities), so any trainer sees a non-finite loss; finite deciders give finite ones."""
+    split = {"prelude": 1, "core": 4} if method.startswith("anira") else {}
+    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=2, method=method, **split)).eval()
+    ids, labels = _batch()
+    with torch.no_grad():
+        good = model(ids, labels=labels)
+        assert good.aux_loss is not None and torch.isfinite(good.aux_loss) and torch.isfinite(good.loss)
+        for p in model.halting.parameters():
+            p.fill_(float("nan"))
+        bad = model(ids, labels=labels)
+    assert bad.aux_loss is not None and torch.isnan(bad.aux_loss) and torch.isnan(bad.loss)
+    signals = bad.halt_signals if bad.halt_signals is not None else bad.depth_logits_q
+    assert signals is not None and not torch.isfinite(signals).all()

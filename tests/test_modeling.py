@@ -308,6 +308,26 @@ def test_bad_depth_arguments_raise():
         looped(ids, depth=torch.zeros_like(ids))
 
 
+def test_float_depth_tensor_is_refused_not_truncated():
+    """``depth=`` as a float tensor (1.7) used to become 1 through ``.long()``; now a DepthError naming integers."""
+    from retrofit.config import DepthError
+    from retrofit.errors import RetrofitUserError
+
+    looped = retrofit.convert(tiny_base("llama"), LoopConfig(max_depth=2)).eval()
+    ids = ids_for()
+    for bad in (torch.full(ids.shape, 1.7), torch.ones(ids.shape, dtype=torch.bool), torch.full(ids.shape, 2.0)):
+        with pytest.raises(DepthError, match=r"integer dtype.*\.long\(\)") as e:
+            looped(ids, depth=bad)
+        assert isinstance(e.value, RetrofitUserError) and isinstance(e.value, ValueError)
+    with pytest.raises(DepthError, match="must be None, an int"):
+        looped(ids, depth=1.0)
+    with torch.no_grad():  # an integer tensor of any integer dtype is accepted and means what it says
+        for dt in (torch.int32, torch.int64, torch.uint8):
+            out = looped(ids, depth=torch.full(ids.shape, 2, dtype=dt))
+            assert out.depths.eq(2).all(), dt
+        assert looped(ids, depth=1).depths.eq(1).all()
+
+
 def test_sliding_window_core_is_refused():
     base = tiny_base("qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=2)
     with pytest.raises(LoopConfigError, match="full-attention"):
@@ -322,3 +342,32 @@ def test_heads_under_three_percent_at_real_shapes(name):
         r = meta_report(name, LoopConfig(max_depth=8, method=method))
         assert r["heads_share"] < 0.03, (name, method, r)
         assert r["base"] > 1e9
+
+
+@pytest.mark.parametrize("method", ["tah2", "anira-e", "anira-o"])
+def test_forced_depth_runs_no_decider(method):
+    """``depth=`` replaces the exit rule: the decider is never called (full forward and decoding alike),
+    the output is the plain looped model at those depths (brute force, coda included), and TaH2 reads out
+    only the exit states (one LM-head call) instead of every depth."""
+    base = tiny_base("llama")
+    looped = randomize_heads(retrofit.convert(base, LoopConfig(prelude=2, core=3, max_depth=3, method=method)), scale=2.0).eval()
+    calls = {"decider": 0, "head": 0}
+    hooks = [
+        looped.halting.decider.register_forward_hook(lambda *a: calls.__setitem__("decider", calls["decider"] + 1)),
+        looped.lm_head.register_forward_hook(lambda *a: calls.__setitem__("head", calls["head"] + 1)),
+    ]
+    ids = ids_for(T=6, seed=2)
+    depths = torch.randint(1, 4, ids.shape, generator=torch.Generator().manual_seed(4))
+    try:
+        with torch.no_grad():
+            out = looped(ids, depth=depths)
+            assert calls == {"decider": 0, "head": 1}
+            assert out.depth_probs is None and out.halt_signals is None
+            torch.testing.assert_close(out.logits, looped_reference(looped, ids, depths), atol=1e-4, rtol=1e-4)
+            looped.generate(ids[:, :3], max_new_tokens=3, depth=2, do_sample=False, pad_token_id=0)
+            assert calls["decider"] == 0
+            looped(ids)  # the method's own exit rule calls it
+        assert calls["decider"] > 0
+    finally:
+        for h in hooks:
+            h.remove()

@@ -74,16 +74,22 @@ def test_depth_tensors_must_be_integers():
 @pytest.mark.parametrize("method", ["fixed", "tah2", "anira-o"])
 @pytest.mark.parametrize("split", [{"prelude": 1, "core": 3}, {}])
 def test_kv_estimate_equals_the_cache_at_full_depth(method, split):
-    """Every token at depth D (the estimate's worst case): the estimate is the cache's exact size."""
+    """Every token at depth D (the estimate's worst case): the estimate is the cache's exact size.
+
+    A forced depth runs no decider (so TaH2 would read out no depth but its last); the decider methods
+    reach depth D through their own decider instead, which starts deep (``deep_init_logit``)."""
     torch.manual_seed(0)
-    m = retrofit.convert(tiny_base("llama"), LoopConfig(max_depth=3, method=method, **split)).eval()
+    loop = LoopConfig(max_depth=3, method=method, deep_init_logit=20.0, **split)
+    m = retrofit.convert(tiny_base("llama"), loop).eval()
     ids = torch.randint(4, 104, (2, 9), generator=torch.Generator().manual_seed(0))
     P, N = 5, 4
+    force = {"depth": 3} if method == "fixed" else {}
     cache = DepthKVCache(m.config)
     with torch.no_grad():
-        m(ids[:, :P], depth=3, cache=cache)
+        m(ids[:, :P], cache=cache, **force)
         for t in range(P, P + N):
-            m(ids[:, t : t + 1], depth=3, cache=cache)
+            m(ids[:, t : t + 1], cache=cache, **force)
+    assert cache.executed_pairs() == 2 * (P + N) * 3  # every token ran depth D
     est = generation_bytes(m.config, 2, P, N)
     assert est["kv_cache"] == cache.nbytes()
     assert est["logits"] == 2 * P * m.config.vocab_size * 4 * (2 if method == "tah2" else 1)

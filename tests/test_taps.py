@@ -93,9 +93,9 @@ def test_eta_one_is_exactly_the_unit_step():
         assert all(torch.equal(a, b) for a, b in zip(unit, relaxed))
 
 
-def looped(max_depth=4, split=True, seed=2):
+def looped(max_depth=4, split=True, seed=2, **loop):
     kw = {"prelude": 1, "core": 3} if split else {}
-    model = convert(tiny_base("llama"), LoopConfig(max_depth=max_depth, method="tah2", **kw))
+    model = convert(tiny_base("llama"), LoopConfig(max_depth=max_depth, method="tah2", **kw, **loop))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for mod in (model.updater, model.halting):
@@ -107,16 +107,67 @@ def looped(max_depth=4, split=True, seed=2):
 IDS = torch.randint(4, 104, (2, 10), generator=torch.Generator().manual_seed(0))
 
 
-def test_taps_in_the_forward_eta_one_equals_unit_and_taps_changes_the_output():
-    model = looped()
+def hand_unrolled_taps(model, ids, depth, **taps):
+    """The looped model at a uniform depth with TAPS, written out: the base layers called one by one with
+    a plain causal mask (same-depth attention at one depth = attention within the depth), η of every
+    token from ``taps_reference`` (Python floats), ``h_d = h_{d-1} + η_d (F(h_{d-1}) - h_{d-1})``."""
+    B, T = ids.shape
+    pos = torch.arange(T)[None].expand(B, T)
+    causal = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None].expand(B, 1, T, T)
+    x = model.model.embed_tokens(ids)
+    pe = model.model.rotary_emb(x, pos)
+
+    def stack(layers, h):
+        for layer in layers:
+            h = layer(h, attention_mask=causal, position_embeddings=pe, position_ids=pos)
+        return h
+
+    e = stack(model.prelude_layers, x)
+    h = stack(model.core_layers, e)
+    deltas = [[[] for _ in range(T)] for _ in range(B)]
+    etas = []
+    for d in range(2, depth + 1):
+        raw = stack(model.core_layers, model.updater(e, h))
+        delta = raw - h
+        eta = torch.zeros(B, T)
+        for b in range(B):
+            for t in range(T):
+                deltas[b][t].append(delta[b, t].tolist())
+                eta[b, t] = taps_reference(deltas[b][t], **taps)[-1]
+        etas.append(eta)
+        h = h + eta[..., None] * delta
+    return model.lm_head(model.model.norm(stack(model.coda_layers, h))), torch.stack(etas)
+
+
+def test_taps_in_the_forward_matches_the_hand_unrolled_loop():
+    model = looped(attention="same-depth")
+    with torch.no_grad():
+        ours = model(IDS, depth=4, step_schedule=TAPS(beta=0.6, gain=0.7))
+        ref, etas = hand_unrolled_taps(model, IDS, 4, beta=0.6, gain=0.7)
+        unit = model(IDS, depth=4)
+    assert (etas[0] == 1).all() and (etas[1:] - 1).abs().max() > 0.05  # TAPS acts from depth 3 on
+    torch.testing.assert_close(ours.logits, ref, atol=2e-5, rtol=1e-4)
+    assert (ours.logits - unit.logits).abs().max() > 1e-3, "TAPS should change a depth-4 trajectory"
+
+
+def test_taps_in_the_forward_eta_one_equals_unit_and_composes_with_the_decider():
+    model = looped(split=False, mixture_output=False)
     with torch.no_grad():
         unit = model(IDS, depth=4)
         same = model(IDS, depth=4, step_schedule=TAPS(gain=0.0))
-        taps = model(IDS, depth=4, step_schedule="taps")
         taps_decider = model(IDS, step_schedule="taps")
+        forced = model(IDS, depth=taps_decider.depths, step_schedule="taps")
     assert torch.equal(unit.logits, same.logits)
-    assert (taps.logits - unit.logits).abs().max() > 1e-3, "TAPS should change a depth-4 trajectory"
-    assert taps_decider.depths.min() >= 1  # composes with the learned exit
+    d = taps_decider.depths
+    assert len(d.unique()) > 1, "the test needs mixed exit depths"
+    # the decider's exits, on TAPS-relaxed states: the continue rule holds, and the output is the TAPS
+    # trajectory stopped at those depths (no coda: the exit depth's readout = the exit state's)
+    c = taps_decider.halt_signals
+    for b in range(d.shape[0]):
+        for t in range(d.shape[1]):
+            k = int(d[b, t])
+            assert all(c[b, t, j] >= 0.5 for j in range(k - 1)) and (k == 4 or c[b, t, k - 1] < 0.5)
+    torch.testing.assert_close(taps_decider.logits, forced.logits, atol=1e-5, rtol=0)
 
 
 def test_taps_is_the_unit_step_up_to_depth_two():
@@ -126,6 +177,8 @@ def test_taps_is_the_unit_step_up_to_depth_two():
 
 
 def test_taps_at_generate_time():
+    """Cached decoding with TAPS = decoding with full forwards (use_cache=False), tokens and depths, and
+    the depths are those of the full forward over the generated sequence."""
     tok = char_tokenizer()
     model = looped()
     enc = tok(["hello", "hi"], return_tensors="pt", padding=True, padding_side="left")
@@ -133,11 +186,16 @@ def test_taps_at_generate_time():
     unit = model.generate(**enc, **kw)
     same = model.generate(**enc, step_schedule=TAPS(gain=0.0), **kw)
     assert torch.equal(unit.sequences, same.sequences) and torch.equal(unit.depths, same.depths)
+    P = enc["input_ids"].shape[1]
     for policy in ({}, {"exit_policy": "kl", "exit_threshold": 1e-2}, {"depth": 3}):
         out = model.generate(**enc, step_schedule="taps", **policy, **kw)
-        assert out.depths.shape == (2, 8)
-
-
+        plain = model.generate(**enc, step_schedule="taps", use_cache=False, **policy, **{**kw, "return_dict_in_generate": False})
+        assert torch.equal(out.sequences, plain), policy
+        seq = out.sequences[:, :-1]
+        mask = torch.cat([enc["attention_mask"], torch.ones(2, seq.shape[1] - P, dtype=torch.long)], 1)
+        with torch.no_grad():
+            full = model(seq, attention_mask=mask, step_schedule="taps", **policy)
+        assert torch.equal(out.depths, full.depths[:, P - 1 :]), policy
 def test_schedule_table_and_errors():
     assert set(STEP_SCHEDULES) == {"unit", "taps"}
     assert isinstance(build_step_schedule(None), UnitStep) and isinstance(build_step_schedule("taps"), TAPS)

@@ -22,7 +22,6 @@ from retrofit.checkpointing import (
     remove_stale_staging,
     staging_path,
 )
-from retrofit.halting.tah2 import decider_loss, lookahead_labels, next_token_mask
 from retrofit.testing import char_tokenizer, tiny_base
 from retrofit.training import (
     BadDataError,
@@ -31,6 +30,8 @@ from retrofit.training import (
     RetrofitSFTTrainer,
     format_sft_dataset,
 )
+
+from references import direct_kl_to_prior, hand_decider_loss, next_token_ce
 
 
 @pytest.fixture(autouse=True)
@@ -205,23 +206,42 @@ def test_compute_loss_runs_the_looped_forward_plus_aux(tmp_path):
     inputs = _one_batch(tr)
     loss = tr.compute_loss(model, dict(inputs))
     ref = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"])
-    lab = lookahead_labels(ref.depth_nll, next_token_mask(inputs["labels"]), 0.99, ref.halt_signals.shape[-1])
-    l_d, _ = decider_loss(ref.halt_signals, lab)
-    assert torch.allclose(loss, ref.loss + 0.05 * l_d, atol=1e-6)
+    l_d, n = hand_decider_loss(ref.depth_nll, inputs["labels"], ref.halt_signals)
+    assert n > 0
+    expected = next_token_ce(ref.logits, inputs["labels"]) + 0.05 * l_d
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert torch.allclose(ref.loss, expected, atol=1e-6)  # the model's own loss holds the same (no double count)
 
 
 @pytest.mark.parametrize("method", ["anira-e", "anira-o", "fixed"])
 def test_compute_loss_other_methods(tmp_path, method):
     tr = make_trainer(tmp_path, method, gamma=0.5)
     model = tr.model.eval()  # eval: no sampling, so a second forward reproduces the first
+    assert model.loop.gamma == 0.5  # the trainer's override reached the model's config
     inputs = _one_batch(tr)
     with torch.no_grad():
         loss = tr.compute_loss(model, dict(inputs))
         ref = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"])
-    aux = model.halting.loss(ref, inputs["labels"], tr.args.loss_config, inputs["attention_mask"])
-    expected = ref.loss + (aux.loss if aux is not None else 0)
+    expected = next_token_ce(ref.logits, inputs["labels"])
+    if method != "fixed":
+        kl = direct_kl_to_prior(ref.depth_probs, 2.0)[inputs["attention_mask"].bool()].mean()
+        expected = expected + 0.5 * kl.float()
     assert torch.allclose(loss, expected, atol=1e-6)
-    assert (aux is None) == (method == "fixed")
+    assert (ref.aux_loss is None) == (method == "fixed")
+
+
+def test_loss_weights_live_in_the_model_config(tmp_path):
+    """Without overrides the trainer uses the model's LoopConfig weights; with one, it writes it there."""
+    model = make_model("tah2", alpha_d=0.2)
+    tr = make_trainer(tmp_path, model=model)
+    assert tr.model.loop.alpha_d == 0.2 and tr.model.loop.rho == 0.99
+    tr2 = make_trainer(tmp_path / "b", model=make_model("tah2", alpha_d=0.2), alpha_d=0.07, rho=1.0)
+    assert (tr2.model.loop.alpha_d, tr2.model.loop.rho) == (0.07, 1.0)
+    tr2.save_model(str(tmp_path / "saved"))
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["loop"]["alpha_d"] == 0.07 and saved["loop"]["rho"] == 1.0
+    with pytest.raises(ValueError, match="rho"):
+        make_trainer(tmp_path / "c", rho=2.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -434,3 +454,18 @@ def test_heads_get_their_own_learning_rate(tmp_path):
     others = [lrs[id(p)] for n, p in model.named_parameters() if p.requires_grad and id(p) not in head_ids]
     assert others and all(lr == trainer.args.learning_rate for lr in others)
     assert sum(len(g["params"]) for g in opt.param_groups) == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_run_folder_card_is_retrofits(tmp_path):
+    """The README.md TRL writes next to checkpoints is retrofit's card, not "a fine-tuned version of [None]"."""
+    from retrofit.model_card import split_front_matter
+
+    model = make_model("tah2")
+    model.config.retrofit_base_model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    tr = make_trainer(tmp_path, model=model, max_steps=1, save_strategy="steps", save_steps=1)
+    tr.train()
+    assert (tmp_path / "checkpoint-1").is_dir()
+    meta, body = split_front_matter((tmp_path / "README.md").read_text())
+    assert "[None]" not in body and "fine-tuned version" not in body
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "tah2" in meta["tags"]
+    assert "| max depth D | 2 |" in body and "retrofit export" in body

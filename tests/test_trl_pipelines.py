@@ -8,6 +8,14 @@ train the plain base. ``LoopedForCausalLM`` intercepts the assignment and serves
 and its configs expose ``auto_map`` (TRL reads it for a model given as a path). These tests check
 that the heads get gradients in every trainer and that the fused outputs match TRL's own kernel.
 
+The halting method's objective reaches every trainer through the model: with labels the forward
+returns the weighted auxiliary loss in ``aux_loss`` (and adds it to ``loss``), and its config declares
+``output_router_logits`` / ``router_aux_loss_coef`` so TRL adds ``aux_loss`` to what it optimizes, as
+for a mixture-of-experts router loss. ``test_decider_gradient_is_trainer_loss_plus_weighted_aux``
+checks, for TaH2 and ANIRA-E/O under ``transformers.Trainer``, ``SFTTrainer``, ``DPOTrainer`` and
+``GRPOTrainer``, that the decider's gradient equals the gradient of the trainer's own loss plus the
+auxiliary loss written out by hand (``references.py``).
+
 GRPO samples completions and then scores their log-probs in train mode; TRL 1.16's regular
 (non-vLLM) path even calls ``generate()`` with the model still in train mode, while evaluation and
 ``pipeline`` generate in eval mode. The policy that generated and the policy that is scored must be
@@ -15,8 +23,8 @@ the same function: TaH2 (threshold decisions in both modes) and fixed are
 (``test_train_and_eval_forwards_agree``); ANIRA-E/O *sample* depths in train mode, so their scored
 depths are a fresh sample, not the ones generation used — GRPO runs but is slightly off-policy;
 prefer TaH2 or fixed for RL, or train ANIRA's decider with SFT first. Because retrofit's cached
-decoding (``retrofit.generation``) is inference-only, ``generate()`` in train mode decodes with a
-full forward per new token.
+decoding is inference-only, ``generate()`` in train mode decodes with a full forward per new token
+(``test_train_mode_generation_decodes_like_eval``).
 
 ``pipeline`` generation runs with ``use_cache=False`` as well unless ``retrofit.generation`` (the
 depth-aware cache) exists; then the cached and uncached outputs must agree.
@@ -31,8 +39,11 @@ import torch
 
 import retrofit
 from retrofit import LoopConfig, convert
-from retrofit.modeling import LOOPED_CLASSES, LoopedForCausalLM, fused_outputs_from_logits
+from retrofit.modeling import LOOPED_CLASSES, LoopedForCausalLM
+from retrofit.trl_fused import fused_outputs_from_logits
 from retrofit.testing import char_tokenizer, tiny_base
+
+from references import direct_kl_to_prior, hand_decider_loss
 
 HAS_CACHE_GENERATION = importlib.util.find_spec("retrofit.generation") is not None
 TRAIN_KW = {
@@ -86,22 +97,6 @@ def heads_changed(names):
 
 def gen_kwargs():
     return {} if HAS_CACHE_GENERATION else {"use_cache": False}
-
-
-def train_mode_generate_bug() -> str | None:
-    """GRPO calls ``generate(generation_config=GenerationConfig(use_cache=False, ...))`` on a model in
-    train mode. Returns the error that call raises, or None when it works."""
-    from transformers import GenerationConfig
-
-    m = tiny_looped("fixed")
-    try:
-        m.generate(IDS_PROBE, generation_config=GenerationConfig(max_new_tokens=1, do_sample=False, use_cache=False))
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-IDS_PROBE = torch.tensor([[5, 6, 7]])
 
 
 def prompts_ds(n=4):
@@ -164,6 +159,22 @@ def test_train_and_eval_forwards_agree(method):
         assert len(torch.unique(ev.depths)) > 1  # the check covers mixed depths
 
 
+@pytest.mark.parametrize("method", ["tah2", "fixed"])
+def test_train_mode_generation_decodes_like_eval(method):
+    """GRPO's call: ``generate(generation_config=GenerationConfig(use_cache=False, ...))`` on a model in
+    train mode decodes with full forwards; for deterministic exit rules it gives eval mode's tokens."""
+    from transformers import GenerationConfig
+
+    m = randomize_heads(tiny_looped(method, max_depth=3))
+    ids = torch.randint(4, 104, (2, 5), generator=torch.Generator().manual_seed(2))
+    cfg = GenerationConfig(max_new_tokens=5, do_sample=False, use_cache=False, pad_token_id=0)
+    with torch.no_grad():
+        trained = m.train().generate(ids, generation_config=cfg)
+        evaluated = m.eval().generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert m.eval().training is False and trained.shape == (2, 10)
+    assert torch.equal(trained, evaluated)
+
+
 # ------------------------------------------------------------------------------------------------
 # Trainers, 2 steps each
 # ------------------------------------------------------------------------------------------------
@@ -172,9 +183,6 @@ def test_train_and_eval_forwards_agree(method):
 def test_grpo_trains_the_looped_model(tmp_path, looped_trl, method):
     from trl import GRPOConfig, GRPOTrainer
 
-    bug = train_mode_generate_bug()
-    if bug:
-        pytest.xfail(f"retrofit.generation: GRPO cannot generate: {bug}")
     torch.manual_seed(0)
     m = tiny_looped(method)
     before = snapshot(m)
@@ -215,8 +223,8 @@ def test_dpo_trains_the_looped_model_from_a_path(tmp_path, looped_trl):
 @pytest.mark.integration
 @pytest.mark.parametrize("as_path", [False, True], ids=["instance", "path"])
 def test_sft_trains_the_looped_model(tmp_path, looped_trl, as_path):
-    """Plain ``trl.SFTTrainer`` (with the fix) trains on the mixture NLL — the model's own loss,
-    without the halting methods' auxiliary losses (those need ``retrofit.training.RetrofitSFTTrainer``)."""
+    """Plain ``trl.SFTTrainer`` (with the fix) trains on the model's own loss: the mixture NLL plus the
+    decider loss, which TRL adds from ``aux_loss``."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -233,13 +241,15 @@ def test_sft_trains_the_looped_model(tmp_path, looped_trl, as_path):
     tr = SFTTrainer(model=model_arg, args=args, train_dataset=ds, processing_class=char_tokenizer())
     model = tr.model
     assert isinstance(model, retrofit.LoopedLlamaForCausalLM)
-    # the loss TRL computes is the looped model's own next-token loss on the completion
+    # the loss TRL computes is the looped model's own loss on the completion, auxiliary loss included
+    assert tr.aux_loss_enabled
     batch = next(iter(tr.get_train_dataloader()))
     with torch.no_grad():
         trl_loss = tr.compute_loss(model, dict(batch))
         own = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                    labels=batch["labels"]).loss
-    torch.testing.assert_close(trl_loss, own, rtol=1e-5, atol=1e-5)
+                    labels=batch["labels"])
+    assert own.aux_loss is not None and own.aux_loss > 0
+    torch.testing.assert_close(trl_loss, own.loss, rtol=1e-5, atol=1e-5)
     before = snapshot(model)
     out = tr.train()
     assert torch.isfinite(torch.tensor(out.training_loss))
@@ -278,3 +288,119 @@ def test_text_generation_pipeline_with_cache():
     cached = pipe("hello", max_new_tokens=4, do_sample=False)[0]["generated_text"]
     plain = pipe("hello", max_new_tokens=4, do_sample=False, use_cache=False)[0]["generated_text"]
     assert cached == plain
+
+
+# ------------------------------------------------------------------------------------------------
+# The method's objective in every trainer: decider gradient = trainer's loss + weighted aux loss
+# ------------------------------------------------------------------------------------------------
+def hand_aux(model, out, labels, attention_mask):
+    """The method's weighted auxiliary loss, written out (``references.py``), from a forward's fields."""
+    loop = model.loop
+    if loop.method == "tah2":
+        l_d, n = hand_decider_loss(out.depth_nll, labels, out.halt_signals, loop.rho, loop.decider_weighting)
+        assert n > 0, "no decision was supervised"
+        return loop.alpha_d * l_d
+    kl = direct_kl_to_prior(out.depth_probs, loop.prior_base)
+    real = torch.ones_like(kl, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    return loop.gamma * kl[real].mean().float()
+
+
+def _trainer(kind, method, tmp_path):
+    """A trainer of ``kind`` on a fresh looped model; returns ``(trainer, model, inputs, forward_inputs,
+    labels, attention_mask, set_aux, aux_scale)``: ``forward_inputs`` / ``labels`` reproduce the forward
+    the trainer's ``compute_loss`` runs, ``set_aux(False)`` makes the trainer optimize without the
+    auxiliary loss, ``aux_scale`` is the factor the trainer gives it (coefficient / accumulation)."""
+    from datasets import Dataset
+
+    torch.manual_seed(0)
+    m = randomize_heads(tiny_looped(method, max_depth=3), seed=3)
+    m.train()
+    kw = dict(TRAIN_KW, output_dir=str(tmp_path), max_steps=1)
+    tok = char_tokenizer()
+    if kind == "trainer":
+        from transformers import Trainer, TrainingArguments
+
+        g = torch.Generator().manual_seed(1)
+        rows = []
+        for _ in range(4):
+            ids = torch.randint(4, 104, (10,), generator=g).tolist()
+            rows.append({"input_ids": ids, "attention_mask": [1] * 10, "labels": [-100] * 4 + ids[4:]})
+        targs = {k: v for k, v in kw.items() if k not in ("activation_checkpointing",)}
+        tr = Trainer(model=m, args=TrainingArguments(**targs), train_dataset=Dataset.from_list(rows))
+        inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+        fwd = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+
+        def set_aux(on):
+            m.config.output_router_logits = on
+
+        return tr, m, inputs, fwd, inputs["labels"], inputs["attention_mask"], set_aux, m.config.router_aux_loss_coef
+    if kind == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        ds = Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"], "completion": ["xyz", "zzq", "aab", "bbc"]})
+        tr = SFTTrainer(model=m, args=SFTConfig(max_length=32, **kw), train_dataset=ds, processing_class=tok)
+        inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+        fwd = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if inputs.get(k) is not None}
+        labels = inputs["labels"]
+    elif kind == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        ds = Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"], "chosen": ["xyz", "zzq", "aab", "bbc"],
+                                "rejected": ["qqr", "rrs", "sst", "ttu"]})
+        import copy
+
+        ref = copy.deepcopy(m).eval()
+        tr = DPOTrainer(model=m, ref_model=ref, args=DPOConfig(max_length=32, **kw), train_dataset=ds,
+                        processing_class=tok)
+        inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+        fwd = {k: v for k, v in inputs.items() if k not in ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")}
+        labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
+    else:
+        from trl import GRPOConfig, GRPOTrainer
+
+        args = GRPOConfig(num_generations=4, max_completion_length=4, use_vllm=False, beta=0.0,
+                          generation_kwargs={"use_cache": False}, **kw)
+        tr = GRPOTrainer(model=m, reward_funcs=reward_len, args=args, train_dataset=prompts_ds(),
+                         processing_class=tok)
+        tr.current_gradient_accumulation_steps = 1  # set by the training loop
+        inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        fwd = {"input_ids": ids, "attention_mask": mask}
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, : -inputs["completion_ids"].shape[1]] = -100
+    m.train()
+    assert tr.aux_loss_enabled and tr.router_aux_loss_coef == 1.0
+
+    def set_aux(on):
+        tr.aux_loss_enabled = on
+
+    return tr, m, inputs, fwd, labels, fwd.get("attention_mask"), set_aux, tr.router_aux_loss_coef
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method", ["tah2", "anira-e", "anira-o"])
+@pytest.mark.parametrize("kind", ["trainer", "sft", "dpo", "grpo"])
+def test_decider_gradient_is_trainer_loss_plus_weighted_aux(tmp_path, looped_trl, kind, method):
+    """∂(trainer loss)/∂decider = ∂(the trainer's loss without the auxiliary loss)/∂decider
+    + coefficient × ∂(α_D · L_D or γ · L_C, written out by hand)/∂decider, on the very batch the trainer
+    built. (The decider also moves through the output mixture / straight-through weights alone; the
+    comparison shows the method's own loss is added, once.)"""
+    tr, m, inputs, fwd, labels, mask, set_aux, scale = _trainer(kind, method, tmp_path)
+    params = [p for n, p in m.named_parameters() if n.startswith("halting.")]
+
+    def grads(fn):
+        torch.manual_seed(123)  # ANIRA samples its depths in train mode: the same draws in every pass
+        out = torch.autograd.grad(fn(), params, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for g, p in zip(out, params)]
+
+    total = grads(lambda: tr.compute_loss(m, dict(inputs)))
+    set_aux(False)
+    plain = grads(lambda: tr.compute_loss(m, dict(inputs)))
+    set_aux(True)
+    by_hand = grads(lambda: hand_aux(m, m(**fwd, labels=labels), labels, mask))
+    aux_norm = sum(float(g.abs().sum()) for g in by_hand)
+    assert aux_norm > 1e-6, "the auxiliary loss does not reach the decider"
+    assert sum(float((t - p).abs().sum()) for t, p in zip(total, plain)) > 0.1 * aux_norm * scale
+    for t, p, a in zip(total, plain, by_hand):
+        torch.testing.assert_close(t, p + scale * a, rtol=1e-4, atol=1e-6)

@@ -114,8 +114,10 @@ class AniraEarly(HaltingMethod):
             st = hard + soft - soft.detach()
         return q, st
 
-    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None) -> AuxLoss:
+    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None) -> AuxLoss | None:
         """``γ · L_C`` over all non-padding tokens; ``log q`` from the raw depth logits (stable)."""
+        if outputs.depth_probs is None:  # a forced depth: no decision was made
+            return None
         return _prior_loss(
             outputs.depth_probs, outputs.depth_logits_q.float().log_softmax(-1), attention_mask, cfg
         )
@@ -159,8 +161,10 @@ class AniraOnline(HaltingMethod):
             st = hard + q - q.detach()
         return q, st
 
-    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None) -> AuxLoss:
+    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None) -> AuxLoss | None:
         """``γ · L_C`` over all non-padding tokens."""
+        if outputs.depth_probs is None:  # a forced depth: no decision was made
+            return None
         return _prior_loss(outputs.depth_probs, None, attention_mask, cfg)
 
 

@@ -1,25 +1,30 @@
 """The contract every halting method fulfils.
 
-A method owns its decider modules, its depth rule (inference and training) and its auxiliary loss
-(STYLE.md: they change together). The looped forward calls, in order:
+A method owns, in its one file, its decider modules, its exit rule (inference and training), how
+its per-depth outputs combine into the model's output, and its auxiliary loss (STYLE.md: they
+change together). The depth loop (``retrofit.loop``) calls, in order:
 
 1. ``plan(e, ctx)`` once, with the core input ``e`` ``[B, T, H]``: a method that decides before the
    loop (ANIRA-E) returns the planned exit depth ``[B, T]``; online methods return ``None``.
 2. ``step(d, e, h, probs, ctx)`` after each depth ``d < D`` on the (passthrough) state ``h``:
-   returns ``continue`` ``[B, T]`` bool (meaningful for tokens still active) or ``None``.
-   ``probs`` is the depth-``d`` next-token distribution when ``needs_depth_readout`` is set.
-3. ``distribution(ctx, depths)`` after the loop: the halting distribution over depths
+   returns ``continue`` ``[B, T]`` bool (meaningful for tokens still active) or ``None`` (always
+   continue). ``probs`` is the depth-``d`` next-token distribution when ``needs_depth_readout``.
+3. ``combiner(ctx)`` (only for methods with ``needs_depth_readout``): a ``DepthCombiner`` that
+   receives every executed depth's logits and returns the output logits (TaH2's mixture).
+4. ``distribution(ctx, depths)`` after the loop: the halting distribution over depths
    ``[B, T, D]`` (or ``None`` for a method without one) and, for training, the straight-through
    weights used to combine per-depth states (``None`` when the hard exit state is used as is).
 
-For training, the trainer (``retrofit.training``) asks the method for two more things:
+When the exit depth is forced (``depth=``), the loop calls none of these: no decider runs, and
+the output is each token's exit-depth readout.
 
-- ``train_forward_kwargs(cfg)``: extra keyword arguments for the training forward (e.g. ``fixed``'s
-  random depth per batch), and ``needs_depth_losses`` (forward with ``output_depth_losses=True``
-  also in eval, so the auxiliary loss is defined there too);
-- ``loss(outputs, labels, cfg, attention_mask=None)``: the method's auxiliary loss, already weighted
-  (``α_D · L_D`` for TaH2, ``γ · L_C`` for ANIRA), added to the next-token loss ``outputs.loss``; plus
-  the detached scalars to log. ``cfg`` is a ``LossConfig``.
+The auxiliary loss: ``loss(outputs, labels, cfg, attention_mask=None)`` returns the method's loss,
+already weighted (``α_D · L_D`` for TaH2, ``γ · L_C`` for ANIRA), plus detached scalars to log.
+The model's forward calls it with ``cfg = LoopConfig.loss_config`` whenever it gets labels, adds it
+to ``loss`` and exposes it as ``aux_loss`` (the mixture-of-experts convention TRL's trainers know).
+A method whose loss reads per-depth next-token losses sets ``needs_depth_losses`` (TaH2: the
+forward then runs the lookahead iteration). ``train_forward_kwargs(cfg)`` gives trainer-side
+extra forward arguments (``fixed``'s random depth per batch).
 
 ``ctx`` is a ``HaltContext`` created per forward: all per-call state lives there, so a module can
 serve concurrent forwards and checkpoint recomputation.
@@ -32,39 +37,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import LoopConfig
+from ..config import LoopConfig, LossConfig
 
-
-@dataclass
-class LossConfig:
-    """Weights and switches of the methods' training losses (METHODS.md §3–4).
-
-    Args:
-        alpha_d: TaH2's decider-loss weight ``α_D`` in ``L = L_NTP + α_D · L_D`` (§3: 0.05).
-        rho: TaH2's cutoff mass ``ρ``: the kept positive gains cover this share of the batch's total
-            positive gain (§3: 0.99). ``1.0`` keeps every positive gain (the seed's "ρ = 1" ablation).
-        decider_weighting: TaH2's BCE weights: ``"distance"`` = ``|δ - κ|`` (cost-sensitive, §3) or
-            ``"uniform"`` (the seed's ablation, −3.6 points).
-        gamma: ANIRA's weight ``γ`` of the KL-to-prior term ``L_C`` (§4). The seed tunes it by grid
-            search (ANIRA Appendix Table 5, values not in the seed); 0.01 is our default.
-        prior_base: ANIRA's prior ``p(d) ∝ b^(-d)``; ``b = 1`` leaves only the entropy term (§4).
-    """
-
-    alpha_d: float = 0.05
-    rho: float = 0.99
-    decider_weighting: str = "distance"
-    gamma: float = 0.01
-    prior_base: float = 2.0
-
-    def __post_init__(self):
-        if not 0.0 < self.rho <= 1.0:
-            raise ValueError(f"rho must lie in (0, 1], got {self.rho!r}")
-        if self.decider_weighting not in ("distance", "uniform"):
-            raise ValueError(f"decider_weighting must be 'distance' or 'uniform', got {self.decider_weighting!r}")
-        if self.alpha_d < 0 or self.gamma < 0:
-            raise ValueError(f"alpha_d and gamma must be >= 0, got alpha_d={self.alpha_d!r}, gamma={self.gamma!r}")
-        if self.prior_base <= 0:
-            raise ValueError(f"prior_base (b in p(d) ∝ b^(-d)) must be > 0, got {self.prior_base!r}")
+__all__ = ["AuxLoss", "DepthCombiner", "ExitLogits", "HaltContext", "HaltingMethod", "LossConfig"]
 
 
 @dataclass
@@ -72,7 +47,7 @@ class AuxLoss:
     """A method's auxiliary training loss.
 
     Attributes:
-        loss: scalar, already weighted; the trainer adds it to the next-token loss.
+        loss: scalar, already weighted; the model adds it to the next-token loss.
         metrics: detached scalars to log (e.g. the unweighted decider loss, the cutoff κ).
     """
 
@@ -90,11 +65,51 @@ class HaltContext:
     extra: dict = field(default_factory=dict)
 
 
+class DepthCombiner:
+    """Turns the logits of every executed depth into a token's output logits, depth by depth.
+
+    ``add`` is called once per executed depth with tensors over the same tokens (any leading shape,
+    e.g. ``[B, T]``, or ``[N]`` for a serving engine's tokens); all state is per token.
+    """
+
+    def add(self, d: int, z: torch.Tensor, logp: torch.Tensor | None, active: torch.Tensor, stop: torch.Tensor,
+            signal: torch.Tensor | None) -> None:
+        """Depth ``d``'s logits ``z [..., V]`` (``logp``: their log-softmax, when already computed).
+
+        ``active``: the token executed depth ``d``; ``stop``: it exits at ``d``; ``signal``: the
+        decider's output after depth ``d`` (None when it made no decision there).
+        """
+        raise NotImplementedError
+
+    def logits(self, depths: torch.Tensor) -> torch.Tensor:
+        """The output logits ``[..., V]`` given the exit depths ``[...]``."""
+        raise NotImplementedError
+
+    @property
+    def needs_log_probs(self) -> bool:
+        """``add`` reads ``logp`` (the caller then computes it once for the decider and for this)."""
+        return False
+
+
+class ExitLogits(DepthCombiner):
+    """The exit depth's logits: ``z^(d*)`` per token."""
+
+    def __init__(self):
+        self.z_exit = None
+
+    def add(self, d, z, logp, active, stop, signal):
+        self.z_exit = z if self.z_exit is None else torch.where(stop[..., None], z, self.z_exit)
+
+    def logits(self, depths):
+        return self.z_exit
+
+
 class HaltingMethod(nn.Module):
     """Base class; see the module docstring for the call order."""
 
     name: str = ""
-    #: the method reads the next-token distribution of every executed depth (TaH2's decider input)
+    #: the method reads the next-token distribution of every executed depth (TaH2's decider input);
+    #: its output then comes from ``combiner`` instead of one readout of the exit state
     needs_depth_readout: bool = False
 
     def __init__(self, hidden_size: int, loop: LoopConfig):
@@ -116,12 +131,16 @@ class HaltingMethod(nn.Module):
     def step(self, d: int, e: torch.Tensor, h: torch.Tensor, probs: torch.Tensor | None, ctx: HaltContext):
         return None
 
+    def combiner(self, ctx: HaltContext) -> DepthCombiner:
+        """How the per-depth logits combine (read when ``needs_depth_readout``): the exit depth's."""
+        return ExitLogits()
+
     def distribution(self, ctx: HaltContext, depths: torch.Tensor):
         """Returns ``(depth_probs [B, T, D] or None, straight_through [B, T, D] or None)``."""
         return None, None
 
     # -- training ------------------------------------------------------------------------------
-    #: the loss reads ``outputs.depth_nll``: forward with ``output_depth_losses=True`` (TaH2)
+    #: the loss reads ``outputs.depth_nll``: the forward computes it (and the lookahead iteration)
     needs_depth_losses: bool = False
 
     def train_forward_kwargs(self, cfg) -> dict:
@@ -132,9 +151,9 @@ class HaltingMethod(nn.Module):
         """The method's weighted auxiliary loss for one batch, or ``None`` (plain next-token loss).
 
         Args:
-            outputs: the ``LoopedCausalLMOutput`` of the training forward.
+            outputs: the ``LoopedCausalLMOutput`` of the forward (its fields, not its loss).
             labels: ``[B, T]`` unshifted labels (-100 = ignored), as given to the forward.
-            cfg: loss weights and switches.
+            cfg: loss weights and switches (the model passes ``LoopConfig.loss_config``).
             attention_mask: ``[B, T]`` 1 for real tokens; ``None`` = every token is real.
         """
         return None

@@ -8,7 +8,9 @@ A token stops at the first ``d`` with ``c < τ_exit`` (0.5), else runs to ``D``.
 in training (on-policy); the seed's "sampled decisions" ablation draws Bernoulli(c) instead.
 
 Output mixture: ``π_1 = 1 - c^(1)``, ``π_2 = c^(1)(1 - c^(2))``, …; the last executed depth absorbs
-the remaining mass ``Π_{j<d*} c^(j)``; ``p_t = Σ_d π_d softmax(z^(d))``.
+the remaining mass ``Π_{j<d*} c^(j)``; ``p_t = Σ_d π_d softmax(z^(d))``. ``DepthMixture`` computes it
+streaming, depth by depth, for the full-sequence forward and the decode path alike; ``mixture_weights``
+gives the weights ``π`` for a finished loop.
 
 The top-K probabilities enter the decider detached: they are features of the current prediction,
 and letting the decider's loss reshape the LM distribution through them is not what the seed
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 
 from ..config import LoopConfig
 from ..heads import DeciderFFN
-from .base import AuxLoss, HaltContext, HaltingMethod, LossConfig
+from .base import AuxLoss, DepthCombiner, ExitLogits, HaltContext, HaltingMethod, LossConfig
 
 
 class TaH2(HaltingMethod):
@@ -71,6 +73,10 @@ class TaH2(HaltingMethod):
             return torch.bernoulli(c.detach()).bool()
         return c >= self.loop.exit_threshold
 
+    def combiner(self, ctx: HaltContext) -> DepthCombiner:
+        """The mixture of the per-depth distributions (or, as the ablation, the exit depth's logits)."""
+        return DepthMixture() if self.mixture_output else ExitLogits()
+
     def distribution(self, ctx: HaltContext, depths: torch.Tensor):
         """π ``[B, T, D]`` from the continue probabilities, given exit depths ``[B, T]``."""
         return mixture_weights(ctx.signals, depths, ctx.max_depth), None
@@ -89,14 +95,64 @@ class TaH2(HaltingMethod):
             return None
         if outputs.depth_nll is None:
             raise ValueError(
-                "TaH2's decider loss needs outputs.depth_nll: call the model with labels= "
-                "(training mode computes it; in eval mode also pass output_depth_losses=True)"
+                "TaH2's decider loss needs outputs.depth_nll: call the model with labels= and the auxiliary loss "
+                "on (output_router_logits, default config.output_router_logits), or with output_depth_losses=True"
             )
         lab = lookahead_labels(
             outputs.depth_nll, next_token_mask(labels), cfg.rho, n_decisions=outputs.halt_signals.shape[-1]
         )
         l_d, metrics = decider_loss(outputs.halt_signals, lab, cfg.decider_weighting, self.loop.exit_threshold)
         return AuxLoss(cfg.alpha_d * l_d, metrics)
+
+
+class DepthMixture(DepthCombiner):
+    """TaH2's output, streaming: ``log Σ_d π_d softmax(z^(d))``, with ``π_d`` known right after depth
+    ``d``'s decision (the token's survival ``Π_{j<d} c^(j)`` times ``1 - c^(d)``, or the whole survival
+    at its exit depth).
+
+    The returned logits are ``log p_mix + logsumexp(z^(d*))``: the log-mixture shifted per token by the
+    exit depth's log-partition, so that a one-depth mixture returns that depth's raw logits and
+    ``softmax(logits) = p_mix``. A token that exits at depth 1 gets its depth-1 logits exactly (the
+    shifted log-mixture equals them only up to rounding). The shift carries no gradient: a per-token
+    constant leaves every softmax and NLL unchanged, so its gradient is 0 in exact arithmetic, and
+    skipping it saves vocabulary-wide backward passes.
+
+    Per-token state: ``survive`` ``[...]``, ``log_mix`` ``[..., V]``, ``lse_exit`` ``[...]`` and the
+    depth-1 logits.
+    """
+
+    def __init__(self):
+        self.log_mix = self.lse_exit = self.z_first = None
+        self.survive = None
+
+    @property
+    def needs_log_probs(self) -> bool:
+        return True
+
+    def add(self, d, z, logp, active, stop, signal):
+        if logp is None:
+            logp = z.float().log_softmax(-1)
+        survive = torch.ones_like(logp[..., 0]) if self.survive is None else self.survive
+        pi = survive if signal is None else torch.where(stop, survive, survive * (1 - signal))
+        # clamp: a saturated c (= 1.0 in fp32) must not give log(0), whose backward is NaN
+        log_pi = torch.where(active, pi.clamp_min(1e-30).log(), torch.full_like(pi, float("-inf")))
+        term = log_pi[..., None] + logp
+        self.log_mix = term if self.log_mix is None else torch.logaddexp(self.log_mix, term)
+        with torch.no_grad():  # only a per-token shift of the output (see the class docstring)
+            lse = z.float().logsumexp(-1)
+        self.lse_exit = lse if self.lse_exit is None else torch.where(stop, lse, self.lse_exit)
+        if signal is not None:
+            survive = survive * signal
+        self.survive = survive
+        if self.z_first is None:
+            self.z_first = z
+
+    def logits(self, depths):
+        first = depths <= 1
+        if bool(first.all()):  # (skip vocabulary-wide work that selects nothing)
+            return self.z_first
+        mixed = (self.log_mix + self.lse_exit[..., None]).to(self.z_first.dtype)
+        return torch.where(first[..., None], self.z_first, mixed) if bool(first.any()) else mixed
 
 
 def mixture_weights(cont: list[torch.Tensor], depths: torch.Tensor, max_depth: int) -> torch.Tensor:

@@ -15,8 +15,9 @@ here is elementwise over tokens, so it applies to any set of rows (METHODS.md §
 - **output**: TaH2's streaming mixture ``log Σ_d π_d softmax(z_d)`` (kept per sequence for its last
   token), or the exit depth's readout.
 
-Each rule reproduces ``retrofit.generation.cached_forward`` token by token: e.g. under a forced depth or
-a training-free exit, TaH2's decider still runs because its continue probabilities weight the mixture.
+Each rule reproduces the looped model's cached decode (``retrofit.loop.run_depth_loop``) token by token:
+under a training-free exit TaH2's decider still runs, because its continue probabilities weight the
+mixture; under a forced depth no decider runs and the output is the exit depth's readout.
 
 After ``loop`` is merged, the ``retrofit.loop`` primitives replace the bodies here one for one
 (``core_input``, ``ForcedExit``/``DeciderExit``/``PolicyExit``, ``method.combiner`` / ``DepthMixture``);
@@ -109,8 +110,13 @@ class MethodAdapter:
         return self.method.needs_depth_readout
 
     def runs_decider(self, spec: ExitSpec) -> bool:
-        """The decider must run: it decides the exit, or (TaH2) its signal weights the mixture."""
-        return spec.rule == "decider" or self.method.needs_depth_readout
+        """The decider must run: it decides the exit, or (TaH2, under a training-free exit) its signal
+        weights the mixture. A forced depth runs no decider (``retrofit.loop.ForcedExit``)."""
+        return spec.rule == "decider" or (spec.rule == "policy" and self.method.needs_depth_readout)
+
+    def mixes(self, spec: ExitSpec) -> bool:
+        """The output is TaH2's mixture; else the exit depth's readout (a forced depth, or ``mixture_output=False``)."""
+        return self.mixture and spec.rule != "forced"
 
     # -- rows entering -------------------------------------------------------------------------------
     def enter(self, rows: torch.Tensor, e: torch.Tensor, spec: ExitSpec) -> None:
@@ -225,21 +231,26 @@ class MethodAdapter:
                 "lse_exit": torch.zeros(S, device=self.device),
                 "z_exit": torch.zeros(S, V, dtype=dtype, device=self.device),
                 "first": torch.zeros(S, dtype=torch.bool, device=self.device),
+                "mix": torch.zeros(S, dtype=torch.bool, device=self.device),
             }
         return self._mix
 
     def combine_add(
-        self, seqs: torch.Tensor, depth: torch.Tensor, z: torch.Tensor, stop: torch.Tensor, signal: torch.Tensor | None
+        self, seqs: torch.Tensor, depth: torch.Tensor, z: torch.Tensor, stop: torch.Tensor, signal: torch.Tensor | None,
+        mix: bool | None = None,
     ) -> None:
         """Depth ``depth`` of each sequence's last token: logits ``z`` ``[n, V]``, ``stop`` ``[n]`` (exits
-        here), ``signal`` ``[n]`` TaH2's continue probability (None at ``D``, or NaN where not decided)."""
+        here), ``signal`` ``[n]`` TaH2's continue probability (None at ``D``, or NaN where not decided);
+        ``mix``: these sequences' output is the mixture (``mixes(spec)``; default ``self.mixture``)."""
         st = self._mix_state(z.dtype)
+        mix = self.mixture if mix is None else (mix and self.mixture)
+        st["mix"][seqs] = mix
         first = depth == 1
         if bool(first.any()):
             s1 = seqs[first]
             st["survive"][s1] = 1.0
             st["log_mix"][s1] = float("-inf")
-        if not self.mixture:  # TaH2's "final-depth prediction only" ablation: the exit depth's logits
+        if not mix:  # a forced depth, or TaH2's "final-depth prediction only" ablation: the exit depth's logits
             st["z_exit"][seqs[stop]] = z[stop]
             return
         survive = st["survive"][seqs]
@@ -264,7 +275,8 @@ class MethodAdapter:
         if not self.mixture:
             return st["z_exit"][seqs]
         mixed = (st["log_mix"][seqs] + st["lse_exit"][seqs][:, None]).to(st["z_exit"].dtype)
-        return torch.where(st["first"][seqs][:, None], st["z_exit"][seqs], mixed)
+        exit_only = st["first"][seqs] | ~st["mix"][seqs]
+        return torch.where(exit_only[:, None], st["z_exit"][seqs], mixed)
 
 
 __all__ = ["ExitSpec", "MethodAdapter"]

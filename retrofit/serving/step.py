@@ -174,16 +174,15 @@ class StepExecution:
 
         # TaH2: the output combination of each request's last token
         if self.adapter.output_from_readout:
-            last_idx = [
-                start + n - 1
-                for g, (start, n) in zip(groups, unit_rows)
-                if n and g.active[-1] and run_gi[start + n - 1] == len(g.rows) - 1
-            ]
-            if last_idx:
+            last_by_mix: dict[bool, list[int]] = {}
+            for g, (start, n) in zip(groups, unit_rows):
+                if n and g.active[-1] and run_gi[start + n - 1] == len(g.rows) - 1:
+                    last_by_mix.setdefault(self.adapter.mixes(g.seq.req.spec), []).append(start + n - 1)
+            for mix, last_idx in last_by_mix.items():  # a forced depth: the exit depth's logits, no mixture
                 li_t = torch.tensor(last_idx, device=dev)
                 sig = signal[li_t]
                 self.adapter.combine_add(
-                    s_t[li_t], d_t[li_t], z[zpos[li_t]], stop[li_t], None if bool(torch.isnan(sig).all()) else sig
+                    s_t[li_t], d_t[li_t], z[zpos[li_t]], stop[li_t], None if bool(torch.isnan(sig).all()) else sig, mix
                 )
 
         # -- bookkeeping: exits, finished steps, sampling ------------------------------------------

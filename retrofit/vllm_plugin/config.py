@@ -33,6 +33,12 @@ TRAINING_ONLY = (
     "fixed_graph",
     "deep_init_logit",
     "extra",
+    # the auxiliary losses' weights (retrofit.config.LossConfig)
+    "alpha_d",
+    "rho",
+    "decider_weighting",
+    "gamma",
+    "prior_base",
 )
 INFERENCE_FIELDS = (
     "prelude",

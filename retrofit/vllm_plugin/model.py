@@ -402,6 +402,8 @@ class LoopedForCausalLM(nn.Module):
             self._set_slots()
 
         exit_at = None  # [N] planned exit depth
+        # a forced depth runs no decider, and TaH2 then returns the exit depth's logits (retrofit.loop.ForcedExit)
+        mixing = spec.mixture_output and spec.serve_depth is None
         if spec.serve_depth is not None:
             exit_at = torch.full((N,), spec.serve_depth, dtype=torch.long, device=dev)
         elif spec.method == "anira-e":
@@ -434,7 +436,9 @@ class LoopedForCausalLM(nn.Module):
             z = self._readout(h, positions, d) if spec.needs_readout else None
             c = None
             if d < D:
-                if spec.method == "tah2":
+                if exit_at is not None:
+                    cont = exit_at > d
+                elif spec.method == "tah2":
                     probs = z.softmax(-1)
                     k = min(spec.top_k, probs.shape[-1])
                     top = probs.topk(k, dim=-1).values
@@ -450,8 +454,6 @@ class LoopedForCausalLM(nn.Module):
                     cont = cdf < spec.halt_threshold
                 else:
                     cont = torch.ones_like(active)
-                if exit_at is not None:
-                    cont = exit_at > d
                 nxt = active & cont
             else:
                 nxt = torch.zeros_like(active)
@@ -459,7 +461,7 @@ class LoopedForCausalLM(nn.Module):
             depths = torch.where(stop_here, torch.full_like(depths, d), depths)
 
             if z is not None:
-                if spec.mixture_output:
+                if mixing:
                     pi = survive if c is None else torch.where(stop_here, survive, survive * (1 - c))
                     log_pi = torch.where(
                         active,
@@ -476,7 +478,7 @@ class LoopedForCausalLM(nn.Module):
             active = nxt
 
         if spec.needs_readout:
-            if not spec.mixture_output:
+            if not mixing:
                 return z_exit
             # a depth-1 exit returns its raw logits; otherwise the log-mixture shifted by the exit
             # depth's log-partition (LoopedCausalLMOutput.logits)

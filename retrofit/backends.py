@@ -1,0 +1,263 @@
+"""KV backends of the depth loop (``retrofit.loop``): where the core's keys and values live, which
+tokens compute each depth, and how a state becomes logits.
+
+- ``FullSequence``: the full-sequence forward (training, scoring, prefill without a cache). Every
+  token computes every depth the loop runs (static shapes; a token past its exit is *passed
+  through*: its state is kept, and its deeper keys are invisible to everyone else); keys of every
+  depth executed so far are stacked along the key axis by ``DepthKVStore`` and masked by
+  ``retrofit.attention``. It also serves TaH2's gradient-free lookahead iteration.
+- ``CachedStep``: one step of incremental decoding with a ``retrofit.cache.DepthKVCache``: the step's
+  new tokens (the prompt at prefill, one token per row afterwards) run the prelude once, then at each
+  depth only the tokens still running are packed (``retrofit.loop.Pack``), run through the core, and
+  written to the cache; an exited token is not computed at deeper depths and writes no K/V there.
+  Its result equals the full-sequence forward on the whole sequence with the same per-token depths
+  (tests/test_generation.py), and a row's result does not depend on the other rows of the batch.
+
+A backend offers ``first_active``, ``begin_depth`` (returns the running tokens, or None),
+``core``, ``readout``, ``end_depth``, ``final_readout`` and ``finish``; its constructor runs the
+prelude and leaves the core input in ``e``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .attention import base_visibility, depth_key_visibility, to_additive_mask
+from .cache import DepthKVCache
+from .loop import AllTokens, Pack, _keep
+
+
+def call_layer(model, layer, x, mask, pe, pos, store, depth: int):
+    """A base decoder layer with ``store`` as its cache; ``depth`` reaches ``store.update`` (0 = not
+    a core layer). Activation checkpointing is ours: transformers' per-layer checkpointing drops the
+    ``cache`` argument of a layer that writes to it (which would silently turn duo-causal attention
+    into same-depth-only attention); the stores are idempotent under replay."""
+    kwargs = dict(attention_mask=mask, position_embeddings=pe, position_ids=pos, cache=store, use_cache=False,
+                  loop_depth=depth)
+    if model._loop_checkpointing and model.training and torch.is_grad_enabled():
+        return checkpoint(layer, x, **kwargs, **model._loop_checkpointing_kwargs)
+    return layer(x, **kwargs)
+
+
+def head(model, h: torch.Tensor) -> torch.Tensor:
+    """Final norm + LM head: ``[..., H]`` -> ``[..., V]``."""
+    return model.lm_head(model.model.norm(h))
+
+
+class DepthKVStore:
+    """K/V of the full-sequence forward, keyed by (layer index, depth).
+
+    The base attention calls ``update(k, v, layer_idx, kwargs=...)``; the current depth arrives in
+    ``kwargs["loop_depth"]`` (passed through the decoder layer's ``**kwargs``). ``update`` records
+    the depth's K/V and returns the keys of depths ``1 … m`` stacked along the sequence axis
+    (``[B, H, m * T, hd]``), the layout ``retrofit.attention`` masks. Writing is idempotent per
+    (layer, depth), so activation checkpointing may replay a layer safely.
+    """
+
+    def __init__(self):
+        self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        depth = (kwargs.get("kwargs") or {}).get("loop_depth", 0)
+        if depth == 0:  # prelude and coda layers: no stacking
+            return key_states, value_states
+        self.kv[(layer_idx, depth)] = (key_states, value_states)
+        if depth == 1:
+            return key_states, value_states
+        ks = [self.kv[(layer_idx, j)][0] for j in range(1, depth + 1)]
+        vs = [self.kv[(layer_idx, j)][1] for j in range(1, depth + 1)]
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+
+def default_position_ids(attention_mask, B: int, T: int, device) -> torch.Tensor:
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    return torch.arange(T, device=device)[None].expand(B, T)
+
+
+class FullSequence:
+    """The full-sequence backend (see the module docstring).
+
+    Args:
+        model: the looped model.
+        x: ``[B, T, H]`` input embeddings.
+        attention_mask: ``[B, T]`` padding mask (left or right padding) or None.
+        position_ids: ``[B, T]``; resets to 0 mark packed sequences.
+    """
+
+    supports_lookahead = True
+
+    def __init__(self, model, x: torch.Tensor, attention_mask=None, position_ids=None):
+        B, T, _ = x.shape
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(f"attention_mask must be a [B, T] padding mask, got shape {tuple(attention_mask.shape)}")
+        if position_ids is None:
+            position_ids = default_position_ids(attention_mask, B, T, x.device)
+        self.model, self.pos, self.dtype = model, position_ids, x.dtype
+        self.mode = model.loop.attention
+        self.base_vis = base_visibility(B, T, x.device, attention_mask, position_ids)
+        self.plain_mask = to_additive_mask(self.base_vis, x.dtype)
+        self.pe = model.model.rotary_emb(x, position_ids)
+        self.store = DepthKVStore()
+        self.coda = model.coda_layers
+        for layer in model.prelude_layers:
+            x = call_layer(model, layer, x, self.plain_mask, self.pe, self.pos, self.store, 0)
+        self.e = x
+
+    def first_active(self, B, T):
+        return torch.ones(B, T, dtype=torch.bool, device=self.e.device)
+
+    def begin_depth(self, d, active):
+        vis = depth_key_visibility(torch.stack(active), d, self.mode, self.base_vis)
+        self.mask = to_additive_mask(vis, self.dtype)
+        return AllTokens(active[-1])
+
+    def core(self, d, x, run):
+        for layer in self.model.core_layers:
+            x = call_layer(self.model, layer, x, self.mask, self.pe, self.pos, self.store, d)
+        return x
+
+    def _readout(self, h):
+        """Coda (if any) + final norm + LM head: ``[B, T, H]`` -> ``[B, T, V]``."""
+        for layer in self.coda:
+            h = call_layer(self.model, layer, h, self.plain_mask, self.pe, self.pos, self.store, 0)
+        return head(self.model, h)
+
+    def readout(self, d, h, raw, run, la, separate_lookahead=False):
+        raw = raw.view_as(h)
+        has_la = la is not None and bool(la.any())
+        if has_la and not self.coda and not separate_lookahead:
+            # without a coda the readout is per token: one pass serves the executed tokens and the
+            # lookahead ones (their input detached, and their logits only feed depth_nll, so the
+            # lookahead stays gradient-free) instead of a second vocabulary-wide readout
+            z = self._readout(torch.where(la[..., None], raw.detach(), h))
+        else:
+            z = self._readout(h)
+            if has_la:
+                with torch.no_grad():
+                    z_la = self._readout(torch.where(la[..., None], raw, h))
+                z = torch.where(la[..., None], z_la, z)
+        return z.reshape(-1, z.shape[-1]), z
+
+    def end_depth(self, d, run, stop):
+        pass
+
+    def final_readout(self, final, logits_to_keep):
+        return _keep(self._readout(final), logits_to_keep)
+
+    def finish(self, d_last, h, depths):
+        pass
+
+
+class CachedStep:
+    """One incremental step with a ``DepthKVCache`` (see the module docstring).
+
+    Args:
+        model: the looped model, in eval mode.
+        cache: the ``DepthKVCache`` (None: a new one, returned in ``self.cache``).
+        x: ``[B, Tn, H]`` the new tokens' embeddings.
+        attention_mask: ``[B, S + Tn]`` (past and new) or ``[B, Tn]`` padding mask; None = no padding.
+        position_ids: ``[B, Tn]``; default: each row's real tokens count on from its last position.
+        readout: the step reads out every depth (TaH2's decider, the ``kl`` exit, depth logits).
+    """
+
+    supports_lookahead = False
+
+    def __init__(self, model, cache, x: torch.Tensor, attention_mask=None, position_ids=None, readout=False):
+        if model.training:
+            raise RuntimeError("incremental decoding with a cache is inference-only; call model.eval() first")
+        if cache is None:
+            cache = DepthKVCache(model.config)
+        if not isinstance(cache, DepthKVCache):
+            raise TypeError(
+                f"a looped model needs a retrofit.cache.DepthKVCache, got {type(cache).__name__}; "
+                "pass cache=DepthKVCache(model.config) or let generate() create it"
+            )
+        B, Tn, _ = x.shape
+        dev = x.device
+        S0 = cache.get_seq_length()
+        if attention_mask is None:
+            new_valid = torch.ones(B, Tn, dtype=torch.bool, device=dev)
+        elif attention_mask.dim() != 2:
+            raise ValueError(f"attention_mask must be a [B, S] padding mask, got shape {tuple(attention_mask.shape)}")
+        elif attention_mask.shape[1] == S0 + Tn:
+            new_valid = attention_mask[:, S0:].bool()
+        elif attention_mask.shape[1] == Tn:
+            new_valid = attention_mask.bool()
+        else:
+            raise ValueError(
+                f"attention_mask has {attention_mask.shape[1]} columns; expected past + new = {S0} + {Tn} or new = {Tn}"
+            )
+        if position_ids is None:
+            position_ids = (cache.next_position_ids(new_valid) if cache.batch is not None
+                            else (new_valid.long().cumsum(1) - 1).clamp_min(0))
+        else:
+            position_ids = position_ids.expand(B, Tn)
+        self.model, self.cache, self.dtype = model, cache, x.dtype
+        self.new_valid, self.pos, self.readout_all = new_valid, position_ids, readout
+        self.S0 = cache.begin_step(new_valid, position_ids, readout)
+        self.dense_mask = cache.dense_mask(self.S0, Tn, x.dtype)
+        self.pe = model.model.rotary_emb(x, position_ids)
+        self.coda = model.coda_layers
+        self.z_full = None
+        for layer in model.prelude_layers:
+            x = call_layer(model, layer, x, self.dense_mask, self.pe, self.pos, cache.prelude, 0)
+        self.e = x
+
+    def first_active(self, B, T):
+        return self.new_valid  # padding never enters the core
+
+    def begin_depth(self, d, active):
+        pack = Pack(active[-1])
+        if pack.N == 0:
+            return None
+        cos, sin = self.pe
+        self.pe_p = (pack.gather(cos), pack.gather(sin))
+        self.pos_p = pack.gather(self.pos)
+        self.mask = self.cache.core.begin_depth(d, pack, self.S0, self.dtype)
+        return pack
+
+    def core(self, d, x, run):
+        for layer in self.model.core_layers:
+            x = call_layer(self.model, layer, x, self.mask, self.pe_p, self.pos_p, self.cache.core, d)
+        return x
+
+    def readout(self, d, h, raw, run, la, separate_lookahead=False):
+        if self.coda:
+            # the reference readout runs the coda over every token's (passthrough) state at depth d
+            y = h
+            for layer in self.coda:
+                y = call_layer(self.model, layer, y, self.dense_mask, self.pe, self.pos, self.cache.coda_readout[d], 0)
+            z_run = head(self.model, run.select(y))
+        else:
+            z_run = head(self.model, run.select(h))
+        # the latest logits of every token (exited ones keep theirs): the decider's features
+        if run.full:
+            self.z_full = z_run
+        else:
+            prev = self.z_full if self.z_full is not None else z_run.new_zeros(run.B * run.Tn, z_run.shape[-1])
+            self.z_full = prev.index_copy(0, run.flat, z_run)
+        return z_run, self.z_full.view(run.B, run.Tn, -1)
+
+    def end_depth(self, d, run, stop):
+        self.cache.core.mark_last(run.select(stop))
+
+    def final_readout(self, final, logits_to_keep):
+        y = final
+        for layer in self.coda:
+            y = call_layer(self.model, layer, y, self.dense_mask, self.pe, self.pos, self.cache.coda, 0)
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            y = y[:, -logits_to_keep:]
+            logits_to_keep = 0
+        return _keep(head(self.model, y), logits_to_keep)
+
+    def finish(self, d_last, h, depths):
+        if self.readout_all and self.coda:
+            # later tokens may run deeper: their depth-j readout sees this step's tokens at depth j
+            for j in range(d_last + 1, self.model.loop.max_depth + 1):
+                y = h
+                for layer in self.coda:
+                    y = call_layer(self.model, layer, y, self.dense_mask, self.pe, self.pos,
+                                   self.cache.coda_readout[j], 0)
+        self.cache.end_step(depths)

@@ -1,0 +1,94 @@
+"""Independent references for the halting methods' losses and outputs, written out with Python loops
+and plain formulas: they share no code with ``retrofit.halting`` (which they check). The brute-force
+references of the looped forward itself are in ``bruteforce.py``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def brute_force_labels(nll, mask, rho):
+    """Python loops over tokens and depths: the rule as written in METHODS.md §3."""
+    B, T, D = nll.shape
+    nll = nll.double().tolist()
+    deltas = {}
+    for b in range(B):
+        for t in range(T):
+            if not mask[b][t]:
+                continue
+            for d in range(D - 1):
+                a, c = nll[b][t][d], nll[b][t][d + 1]
+                if math.isfinite(a) and math.isfinite(c):
+                    deltas[(b, t, d)] = a - c
+    gains = sorted((g for g in deltas.values() if g > 0), reverse=True)
+    if gains:
+        total, acc, kappa = sum(gains), 0.0, None
+        for g in gains:
+            acc += g
+            kappa = g
+            if acc >= rho * total:
+                break
+    else:
+        kappa = 0.0
+    labels, weights = {}, {}
+    for b in range(B):
+        for t in range(T):
+            stopped = False
+            for d in range(D - 1):
+                if (b, t, d) not in deltas:
+                    continue
+                g = deltas[(b, t, d)]
+                y = 0 if stopped else int(g >= kappa and g > 0)
+                stopped = stopped or y == 0
+                labels[(b, t, d)] = y
+                weights[(b, t, d)] = abs(g - kappa)
+    return kappa, labels, weights
+
+
+def hand_decider_loss(depth_nll, labels, cont, rho=0.99, weighting="distance"):
+    """α-free TaH2 decider loss written out: brute-force labels and weights (``brute_force_labels``),
+    BCE by hand; differentiable in ``cont`` ``[B, T, k]``. Returns ``(loss, number of decisions)``."""
+    mask = (F.pad(labels[:, 1:], (0, 1), value=-100) != -100).tolist()
+    kappa, ys, ws = brute_force_labels(depth_nll.detach(), mask, rho)
+    ys = {k: v for k, v in ys.items() if k[2] < cont.shape[-1]}
+    num = den = 0.0
+    for (b, t, d), y in ys.items():
+        c = cont[b, t, d].float()
+        w = ws[(b, t, d)] if weighting == "distance" else 1.0
+        num = num - w * (y * torch.log(c) + (1 - y) * torch.log(1 - c))
+        den += w
+    return num / max(den, 1e-12), len(ys)
+
+
+def direct_kl_to_prior(q: torch.Tensor, base: float) -> torch.Tensor:
+    """KL(q ‖ p), p(d) ∝ base^(-d), written out per token: ``[..., D]`` -> ``[...]`` (float64)."""
+    D = q.shape[-1]
+    p = torch.tensor([base ** (-d) for d in range(1, D + 1)], dtype=torch.float64)
+    p = p / p.sum()
+    qd = q.double()
+    return torch.where(qd > 0, qd * (qd.clamp_min(1e-300).log() - p.log()), torch.zeros_like(qd)).sum(-1)
+
+
+def hand_mixture_weights(c: torch.Tensor, depths: torch.Tensor, D: int) -> torch.Tensor:
+    """π ``[B, T, D]`` with Python loops: ``(1 - c_d) Π_{j<d} c_j`` before the exit, ``Π_{j<d*} c_j`` at it."""
+    B, T = depths.shape
+    rows = []
+    for b in range(B):
+        for t in range(T):
+            k, surv, w = int(depths[b, t]), 1.0, []
+            for d in range(1, D + 1):
+                if d < k:
+                    w.append(surv * (1 - c[b, t, d - 1]))
+                    surv = surv * c[b, t, d - 1]
+                else:
+                    w.append(surv if d == k else torch.zeros(()))
+            rows.append(torch.stack([torch.as_tensor(x) for x in w]))
+    return torch.stack(rows).view(B, T, D)
+
+
+def next_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: position t scored on label t + 1, -100 ignored."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
