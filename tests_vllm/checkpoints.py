@@ -55,7 +55,9 @@ def build_checkpoint(
         method=method,
         attention=attention,
     )
-    model = retrofit.convert(base, loop).eval()
+    with torch.random.fork_rng():  # the heads' own initialization draws from the global RNG: pin it
+        torch.manual_seed(seed)
+        model = retrofit.convert(base, loop).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
