@@ -1,4 +1,4 @@
-"""Shared pieces of the complexity-controlled task generators (METHODS.md §7).
+"""Shared pieces of the complexity-controlled task generators (docs/evaluation.md).
 
 Every task module builds one :class:`Task`; ``data_prep.tasks.TASKS`` is the single registry.
 

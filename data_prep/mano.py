@@ -1,4 +1,4 @@
-"""MANO: prefix-notation modular arithmetic (ANIRA §5.1; METHODS.md §7).
+"""MANO: prefix-notation modular arithmetic (ANIRA §5.1; docs/evaluation.md).
 
 An instance is an expression tree over operators ``+ - *`` and operands ``0..22`` written in
 prefix (Polish) notation; the answer is its value mod 23.  The knob ``L`` is the number of

@@ -1,4 +1,4 @@
-"""The task registry and dataset assembly for complexity-controlled evaluation (METHODS.md §7).
+"""The task registry and dataset assembly for complexity-controlled evaluation (docs/evaluation.md).
 
 ``TASKS`` is the one explicit registry; :func:`get_task` raises with the valid keys.
 

@@ -1,4 +1,4 @@
-"""Attention patterns across depths, as pure functions (METHODS.md §2).
+"""Attention patterns across depths, as pure functions (docs/looped-model.md).
 
 The full-sequence forward stacks the keys of every depth executed so far along the key axis:
 key index ``(j - 1) * T + s`` holds position ``s`` at depth ``j``. A query is token ``t`` at the

@@ -1,4 +1,4 @@
-"""Depth-aware KV cache for incremental decoding of a looped model (METHODS.md §2).
+"""Depth-aware KV cache for incremental decoding of a looped model (docs/looped-model.md).
 
 A looped model runs its prelude and coda once per token but its core ``d*_t`` times, a different
 number for every token. ``DepthKVCache`` stores:

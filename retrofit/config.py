@@ -1,6 +1,6 @@
 """The loop specification: which layers loop, how deep, which halting method, which attention.
 
-A pretrained stack ``L_0 … L_{N-1}`` is split into three contiguous ranges (METHODS.md §1)::
+A pretrained stack ``L_0 … L_{N-1}`` is split into three contiguous ranges (docs/looped-model.md)::
 
     prelude = L_0 … L_{p-1}          runs once per token
     core    = L_p … L_{p+c-1}        runs d = 1 … max_depth times per token
@@ -24,7 +24,7 @@ from .errors import RetrofitUserError
 METHODS = ("tah2", "anira-e", "anira-o", "fixed")
 ATTENTION_MODES = ("duo-causal", "same-depth")
 
-# Each method's natural attention (METHODS.md §2): TaH2 trains with duo-causal attention across
+# Each method's natural attention (docs/looped-model.md): TaH2 trains with duo-causal attention across
 # depths; ANIRA uses the allocation-aware same-depth read; a plain fixed-depth loop (Huginn, Ouro)
 # attends within its own iteration, which is the same-depth rule when every token has one depth.
 DEFAULT_ATTENTION = {
@@ -60,7 +60,7 @@ def _is_number(v) -> bool:
 
 @dataclass
 class LossConfig:
-    """Weights and switches of the methods' auxiliary training losses (METHODS.md §3–4).
+    """Weights and switches of the methods' auxiliary training losses (docs/tah2.md, docs/anira.md).
 
     Args:
         alpha_d: TaH2's decider-loss weight ``α_D`` in ``L = L_NTP + α_D · L_D`` (§3: 0.05).

@@ -1,4 +1,4 @@
-"""Compute accounting for adaptive-depth runs (METHODS.md §2, §7; ANIRA §3.2.5).
+"""Compute accounting for adaptive-depth runs (docs/looped-model.md, docs/evaluation.md; ANIRA §3.2.5).
 
 For a forward or a ``generate`` call: executed core token-iterations ``Cost_exec = Σ_d |A_d|`` (the sum
 of exit depths), core-layer passes (``Cost_exec`` × core layers), the mean depth ``d̄``, and the

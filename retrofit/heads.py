@@ -35,7 +35,7 @@ def init_tagged(linear: nn.Linear, std: float) -> None:
 
 
 class Updater(nn.Module):
-    """Maps the previous depth's core output back to the core's input space (METHODS.md §1)::
+    """Maps the previous depth's core output back to the core's input space (docs/looped-model.md)::
 
         x_{d+1} = U(e, h_d) = e + W2 · act(W1 · [norm(e); norm(h_d)])
 

@@ -1,4 +1,4 @@
-"""The core's K/V for incremental decoding: one slot per executed (token, depth) pair (METHODS.md §2).
+"""The core's K/V for incremental decoding: one slot per executed (token, depth) pair (docs/looped-model.md).
 
 ``TaggedKV`` is the ``core`` store of ``retrofit.cache.DepthKVCache``: per core layer one buffer
 split into a region per depth, each region holding, per row, the tokens that ran that depth (their

@@ -1,4 +1,4 @@
-"""The depth loop: one loop over core iterations for every way a looped model runs (METHODS.md §1–2).
+"""The depth loop: one loop over core iterations for every way a looped model runs (docs/looped-model.md).
 
 ``run_depth_loop`` is the only place that iterates the core. The full-sequence forward (training,
 scoring, prefill without a cache) and incremental decoding with a ``DepthKVCache`` call it with a

@@ -1,4 +1,4 @@
-"""The looped model: prelude → core × depth → coda around a pretrained backbone (METHODS.md §1–2).
+"""The looped model: prelude → core × depth → coda around a pretrained backbone (docs/looped-model.md).
 
 ``LoopedForCausalLM`` wraps the base model's own modules by reference — ``model.embed_tokens``,
 ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head`` keep their names, so base

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 
 def brute_force_labels(nll, mask, rho):
-    """Python loops over tokens and depths: the rule as written in METHODS.md §3."""
+    """Python loops over tokens and depths: the rule as written in docs/tah2.md."""
     B, T, D = nll.shape
     nll = nll.double().tolist()
     deltas = {}

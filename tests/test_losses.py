@@ -1,4 +1,4 @@
-"""Training losses of the halting methods (METHODS.md §3–4): TaH2 lookahead labels and decider BCE
+"""Training losses of the halting methods (docs/tah2.md, docs/anira.md): TaH2 lookahead labels and decider BCE
 against hand-worked examples and a brute-force reference, ANIRA's KL-to-prior against a direct
 computation and its decomposition, straight-through gradients, and a contract test over every
 registered method."""

@@ -1,4 +1,4 @@
-"""Per-token analyses behind ``retrofit eval`` (METHODS.md §3, §6, §7): pure functions on arrays.
+"""Per-token analyses behind ``retrofit eval`` (docs/tah2.md, docs/exits.md, docs/evaluation.md): pure functions on arrays.
 
 Nothing here runs a model. The runner (:mod:`retrofit.evaluation.runner`) does the forwards and
 hands the per-token arrays to these functions; keeping them model-free makes every alignment and
@@ -25,7 +25,7 @@ Depth of an answer token (``alignment``)
       that emitted it), the teacher-forced losses and the exit policies (which act on the
       next-token distribution of ``p_j - 1``), which therefore always use it.
 
-Training-free exits (METHODS.md §6), evaluated teacher-forced from ONE forward in which every
+Training-free exits (docs/exits.md), evaluated teacher-forced from ONE forward in which every
 token runs all D depths (``depth=D``, ``output_depth_logits=True``):
 
     * ``kl``: exit at the first d ≥ 2 with ``KL(p_d ‖ p_{d-1}) < τ`` (Huginn), else D;
@@ -215,7 +215,7 @@ def word_values(token_values: Any, first_tokens: Sequence[int]) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------
-# training-free exit signals and policies (METHODS.md §6)
+# training-free exit signals and policies (docs/exits.md)
 # ----------------------------------------------------------------------------------------------
 
 

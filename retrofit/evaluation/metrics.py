@@ -1,4 +1,4 @@
-"""Metrics for complexity-controlled evaluation of looped models (METHODS.md §3, §7).
+"""Metrics for complexity-controlled evaluation of looped models (docs/tah2.md, docs/evaluation.md).
 
 Everything here is a pure function of arrays: no model, no I/O. Inputs may be Python
 sequences, NumPy arrays or torch tensors (detached and moved to CPU internally); outputs are
@@ -297,7 +297,7 @@ def loss_change_stats(
     mask: Any = None,
     bin_edges: Any = None,
 ) -> dict[str, Any]:
-    """First-vs-last-depth per-token loss change (TaH2's motivating statistic, METHODS.md §3).
+    """First-vs-last-depth per-token loss change (TaH2's motivating statistic, docs/tah2.md).
 
     ``Δ = loss_last - loss_first`` per valid token (next-token NLL at depth D minus at depth 1;
     positive = the extra iterations made the token *worse*). TaH2 reports for fixed-depth Ouro
@@ -362,7 +362,7 @@ def loss_change_stats(
 
 
 def cost_exec(depths: Any, mask: Any = None, max_depth: int | None = None) -> dict[str, Any]:
-    """Executed core work of an adaptive-depth run (ANIRA §3.2.5 / §5, METHODS.md §7).
+    """Executed core work of an adaptive-depth run (ANIRA §3.2.5 / §5, docs/evaluation.md).
 
     With ``A_d`` the set of valid tokens still active at depth d (exit depth >= d),
     ``Cost_exec = Σ_{d=1..D} |A_d|``, which equals the sum of exit depths. A fixed-depth model
@@ -437,7 +437,7 @@ def flops_ratio(
     LM head at every depth). Attention cost that grows with context length is also ignored:
     this is a per-token layer count, the quantity the "d̄ / D" saving refers to.
 
-    ``prelude + core + coda`` normally equals ``n_layers`` (METHODS.md §1); this is not
+    ``prelude + core + coda`` normally equals ``n_layers`` (docs/looped-model.md); this is not
     enforced because a retrofit may drop layers.
 
     Args:

@@ -1,4 +1,4 @@
-"""Plots for complexity-controlled evaluation (METHODS.md §3, §7).
+"""Plots for complexity-controlled evaluation (docs/tah2.md, docs/evaluation.md).
 
 Each function writes one PNG and returns its path. Figures are built with
 :class:`matplotlib.figure.Figure` and rendered by the Agg canvas directly, never through
@@ -340,7 +340,7 @@ def plot_loss_change_histogram(
     title: str = "First-vs-last depth loss change Δ = ℓ(D) − ℓ(1)",
     log_y: bool = False,
 ) -> str:
-    """Histogram of the per-token loss change with the "unchanged" band marked (METHODS.md §3).
+    """Histogram of the per-token loss change with the "unchanged" band marked (docs/tah2.md).
 
     Args:
         stats_or_deltas: one of

@@ -1,4 +1,4 @@
-"""ANIRA: early (E) and online (O) depth decisions with a KL-to-geometric-prior loss (METHODS.md §4).
+"""ANIRA: early (E) and online (O) depth decisions with a KL-to-geometric-prior loss (docs/anira.md).
 
 - ANIRA-E: ``q_i = softmax(FFN(h_i^(0)))`` over depths ``1 … D``, one decision before the loop.
   Training: straight-through Gumbel-softmax sample; inference: ``argmax_d q_i(d)``.

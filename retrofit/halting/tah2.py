@@ -1,4 +1,4 @@
-"""TaH2: a token-level iteration decider trained with lookahead depth supervision (METHODS.md §3).
+"""TaH2: a token-level iteration decider trained with lookahead depth supervision (docs/tah2.md).
 
 Decider (after each depth ``d < D``)::
 
@@ -187,7 +187,7 @@ def mixture_weights(cont: list[torch.Tensor], depths: torch.Tensor, max_depth: i
 
 
 # ------------------------------------------------------------------------------------------------
-# Lookahead depth supervision (METHODS.md §3)
+# Lookahead depth supervision (docs/tah2.md)
 # ------------------------------------------------------------------------------------------------
 def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` bool: position ``t`` has a next-token target (``labels[:, t + 1] != -100``).
@@ -246,7 +246,7 @@ class LookaheadLabels:
 def lookahead_labels(
     depth_nll: torch.Tensor, token_mask: torch.Tensor, rho: float = 0.99, n_decisions: int | None = None
 ) -> LookaheadLabels:
-    """Lookahead labels for the TaH2 decider (METHODS.md §3).
+    """Lookahead labels for the TaH2 decider (docs/tah2.md).
 
     For each labeled token and each decision it made (depths ``d = 1 … min(d*, D - 1)``), the gain of
     one more iteration is ``δ^(d) = ℓ^(d) - ℓ^(d+1)``; ``ℓ^(d*+1)`` comes from the gradient-free

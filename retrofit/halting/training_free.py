@@ -1,4 +1,4 @@
-"""Training-free exits for any looped model (METHODS.md §6).
+"""Training-free exits for any looped model (docs/exits.md).
 
 These replace the model's learned decider at inference time; they need no training and serve as the
 baselines learned deciders are compared against at equal compute.

@@ -1,4 +1,4 @@
-"""Step-size schedules of the core update (METHODS.md §5): one explicit table (STYLE.md habit 6)."""
+"""Step-size schedules of the core update (docs/taps.md): one explicit table (STYLE.md habit 6)."""
 
 from __future__ import annotations
 

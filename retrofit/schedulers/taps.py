@@ -1,4 +1,4 @@
-"""Step sizes of the core update: the unit step and TAPS (METHODS.md §5).
+"""Step sizes of the core update: the unit step and TAPS (docs/taps.md).
 
 The looped core is an iteration ``h_d = F(h_{d-1})`` with ``F(h) = core(U(e, h))`` (the updater
 re-injects the core input ``e``). A step schedule relaxes it::

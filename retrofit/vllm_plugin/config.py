@@ -69,7 +69,7 @@ class LoopSpecError(ValueError):
 
 @dataclass(frozen=True)
 class LoopSpec:
-    """What serving needs from ``config.loop`` (METHODS.md §1–4), resolved against the model.
+    """What serving needs from ``config.loop`` (docs/looped-model.md, docs/tah2.md, docs/anira.md), resolved against the model.
 
     Attributes:
         prelude / core / coda: layer index ranges.

@@ -2,7 +2,7 @@
 
 The backbone is vLLM's ``LlamaModel`` / ``Qwen3Model`` (its decoder layers, attention, RoPE, weight
 loading, tensor parallel linears); the looped model only decides which layers run how often
-(METHODS.md §1–4)::
+(docs/looped-model.md, docs/tah2.md, docs/anira.md)::
 
     e = prelude(embed(x));   h_1 = core(e);   h_{d+1} = core(U(e, h_d))   (a token stops at d*)
     logits = lm_head(norm(coda(h_{d*})))                 ANIRA-E/O, fixed
@@ -56,7 +56,7 @@ from .config import LoopSpec, LoopSpecError, loop_spec
 # Heads, rebuilt from the checkpoint's weights with vLLM layers (same names: updater.*, halting.decider.*)
 # ------------------------------------------------------------------------------------------------
 class Updater(nn.Module):
-    """``x_{d+1} = e + W2 · SiLU(W1 · [norm_e(e); norm_h(h)])`` (METHODS.md §1)."""
+    """``x_{d+1} = e + W2 · SiLU(W1 · [norm_e(e); norm_h(h)])`` (docs/looped-model.md)."""
 
     def __init__(self, hidden: int, inner: int, eps: float, prefix: str):
         super().__init__()
@@ -151,7 +151,7 @@ def _store(attn: Attention, dtype: torch.dtype) -> torch.Tensor:
 
 
 def duo_causal_attention(attns: list[Attention], q, k, v, state: LoopState, block_size: int) -> torch.Tensor:
-    """Duo-causal attention of the queries at depth ``m = len(attns)`` (METHODS.md §2).
+    """Duo-causal attention of the queries at depth ``m = len(attns)`` (docs/looped-model.md).
 
     Query ``(t, m)`` attends to every ``(s, j)`` with ``s <= t``, ``j <= m`` and ``j <= d*_s`` (the
     depths ``s`` executed; ``state.exec_depth``), one softmax over all of them — the same function
