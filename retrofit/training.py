@@ -64,11 +64,12 @@ from .config import LOSS_FIELDS
 from .errors import RetrofitUserError
 from .halting.base import AuxLoss, LossConfig
 from .halting.tah2 import next_token_mask
-# model_setup's names and format_sft_dataset, BadDataError are re-exported: recipes and tests import them from here
 from .model_setup import LORA_MODULES_TO_SAVE, LORA_TARGETS, apply_lora, build_looped_model, zero3_enabled  # noqa: F401
 from .modeling import LoopedForCausalLM
 from .sft_data import BadDataError, drop_bad_rows, format_sft_dataset, no_eval_without_eval_set  # noqa: F401
 
+# the model_setup names, BadDataError and format_sft_dataset are re-exported above (their homes are
+# retrofit.model_setup and retrofit.sft_data): recipes, tests and scripts import them from here
 logger = logging.getLogger(__name__)
 
 
