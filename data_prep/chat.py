@@ -3,7 +3,7 @@
 :func:`load_rows` reads a ``.jsonl`` / ``.json`` / ``.parquet`` file, a ``save_to_disk`` folder, a
 Dataset / DatasetDict or a list of dicts into a list of row dicts (the recipes read ``--data_file``
 through it). :func:`to_sft_dataset` is a thin alias of the project's one SFT formatter,
-``retrofit.training.format_sft_dataset``, applied to those rows: rows need ``prompt`` and
+``retrofit.sft_data.format_sft_dataset``, applied to those rows: rows need ``prompt`` and
 ``completion`` (or ``answer``, as the task rows of ``data_prep.tasks`` have) strings.
 """
 
@@ -237,7 +237,7 @@ def load_rows(source: Any, split: str | None = None, check_rows: bool = True) ->
 def to_sft_dataset(source: Any, chat: bool = False, split: str | None = None):
     """Rows from any source :func:`load_rows` reads, formatted for TRL by the project's one SFT formatter.
 
-    A thin alias: ``retrofit.training.format_sft_dataset(datasets.Dataset.from_list(load_rows(source, split)),
+    A thin alias: ``retrofit.sft_data.format_sft_dataset(datasets.Dataset.from_list(load_rows(source, split)),
     chat=chat)``. Rows need ``prompt`` and ``completion`` (or ``answer``) strings; the formatter
     skips rows with an empty or non-string completion, counting them in its report.
 
@@ -252,9 +252,9 @@ def to_sft_dataset(source: Any, chat: bool = False, split: str | None = None):
 
     Raises:
         DataError: the source cannot be read.
-        retrofit.training.BadDataError: a required column is missing or no row is usable.
+        retrofit.sft_data.BadDataError: a required column is missing or no row is usable.
     """
-    from retrofit.training import format_sft_dataset
+    from retrofit.sft_data import format_sft_dataset
 
     return format_sft_dataset(datasets.Dataset.from_list(load_rows(source, split)), chat=chat)
 

@@ -210,7 +210,7 @@ def load_data(args: ScriptArgs, tokenizer):
 
     from data_prep.chat import load_rows
 
-    from .training import format_sft_dataset
+    from .sft_data import format_sft_dataset
 
     if args.data_file:
         train = datasets.Dataset.from_list(load_rows(args.data_file))
@@ -256,7 +256,7 @@ def identity_check(model, base, tokenizer) -> float:
 
 def prepare_model(model, loop_args: LoopArgs):
     """Freeze and/or wrap with LoRA, as the arguments say (the same for the looped arm and controls)."""
-    from .training import apply_lora
+    from .model_setup import apply_lora
 
     if loop_args.freeze_prelude:
         n = freeze_prelude(model)
@@ -279,7 +279,8 @@ def train_and_save(model, tokenizer, train_args, train, evals, *, resume: bool, 
         ``NonFiniteLossError``.
     """
     from .checkpointing import atomic_dir, last_checkpoint
-    from .training import RetrofitSFTTrainer, zero3_enabled
+    from .model_setup import zero3_enabled
+    from .training import RetrofitSFTTrainer
 
     trainer = RetrofitSFTTrainer(model, train_args, train_dataset=train, eval_dataset=evals, processing_class=tokenizer)
     start = train_args.resume_from_checkpoint
@@ -310,7 +311,8 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
     from transformers import set_seed
 
     from .convert import base_model_of
-    from .training import NonFiniteLossError, build_looped_model, zero3_enabled
+    from .model_setup import build_looped_model, zero3_enabled
+    from .training import NonFiniteLossError
 
     script, targs, largs = parse_recipe_args(spec, argv)
     t_start = time.time()

@@ -1,5 +1,6 @@
 """SFT for looped models: a TRL ``SFTTrainer`` subclass with what SFT needs beyond the model's own
-loss, plus the pieces the recipes share.
+loss, and its config. The pieces the recipes share live next to it and are re-exported here: row
+formatting and filtering in ``retrofit.sft_data``, model loading and LoRA in ``retrofit.model_setup``.
 
 The halting methods' objectives (METHODS.md §3–4) belong to the model: with labels its forward
 returns ``loss`` = next-token loss + the method's weighted ``aux_loss`` (``retrofit.modeling``), so
@@ -33,7 +34,8 @@ Robustness:
 - the run's ``output_dir`` may not be, contain or lie inside the model it starts from (the run
   replaces ``final/`` and rotates ``checkpoint-N/``);
 - bad rows (missing columns, empty completions, rows longer than ``max_length``) are a clear error
-  or a counted, logged skip (``format_sft_dataset`` and the trainer's length filter).
+  or a counted, logged skip (``retrofit.sft_data``: ``format_sft_dataset`` and the trainer's length
+  filter ``drop_bad_rows``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
-import datasets
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import SFTConfig, SFTTrainer
@@ -59,23 +60,22 @@ from .checkpointing import (
     remove_stale_staging,
     staging_path,
 )
-from .config import LoopConfig
 from .config import LOSS_FIELDS
 from .errors import RetrofitUserError
 from .halting.base import AuxLoss, LossConfig
 from .halting.tah2 import next_token_mask
+from .model_setup import LORA_MODULES_TO_SAVE, LORA_TARGETS, apply_lora, build_looped_model, zero3_enabled  # noqa: F401
 from .modeling import LoopedForCausalLM
+from .sft_data import BadDataError, drop_bad_rows, format_sft_dataset, no_eval_without_eval_set  # noqa: F401
 
+# the model_setup names, BadDataError and format_sft_dataset are re-exported above (their homes are
+# retrofit.model_setup and retrofit.sft_data): recipes, tests and scripts import them from here
 logger = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(RetrofitUserError, RuntimeError):
     """The training loss, the halting signals or the weights became NaN or infinite; training stopped
     (before the optimizer step, or before writing a checkpoint)."""
-
-
-class BadDataError(RetrofitUserError, ValueError):
-    """The dataset cannot be used for SFT; the message says what is wrong and what is expected."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -161,187 +161,6 @@ class RetrofitSFTConfig(SFTConfig):
         return LossConfig(**self.loss_overrides)
 
 
-# ------------------------------------------------------------------------------------------------
-# Data
-# ------------------------------------------------------------------------------------------------
-def format_sft_dataset(
-    dataset, chat: bool = False, completion_column: str | None = None, answer_sep: str | None = None
-):
-    """Validate rows and turn them into TRL prompt/completion rows.
-
-    TRL joins a plain prompt and completion with nothing between them (``prompt + completion``), so
-    a task row's separator goes into the completion: plain rows whose target is an ``answer`` column
-    get ``completion = answer_sep + answer`` — the text ``retrofit eval`` scores after the prompt
-    (``EvalOptions.answer_sep``, both default ``data_prep.common.ANSWER_SEP`` = ``" "``). A
-    ``completion`` column is taken verbatim (TRL's convention: it holds its own leading space, if
-    any), and chat rows need no separator (the template separates the turns).
-
-    Args:
-        dataset: a ``datasets.Dataset`` with a ``prompt`` column and a ``completion`` or ``answer``
-            column (``data_prep.tasks.build_splits`` gives ``prompt, answer, difficulty, task``).
-        chat: make conversational rows (``[{"role": "user", ...}]`` / ``[{"role": "assistant", ...}]``)
-            for a tokenizer with a chat template; else plain strings (TRL appends EOS).
-        completion_column: which column holds the target; default ``completion``, else ``answer``.
-        answer_sep: text put before a plain ``answer`` target; None = ``ANSWER_SEP``. Ignored for a
-            ``completion`` column and with ``chat``.
-
-    Returns:
-        ``(dataset, report)``: the formatted dataset (other columns kept) and a dict of counts
-        ``{"rows", "kept", "empty_completion", "malformed"}``.
-
-    Raises:
-        BadDataError: a required column is missing, or no row is usable.
-    """
-    cols = list(dataset.column_names)
-    if completion_column is None:
-        completion_column = "completion" if "completion" in cols else "answer"
-    missing = [c for c in ("prompt", completion_column) if c not in cols]
-    if missing:
-        raise BadDataError(
-            f"the dataset lacks column(s) {missing}; it has {cols}. SFT rows need 'prompt' and "
-            f"'completion' (or 'answer'), both strings"
-        )
-    n = len(dataset)
-    kinds = []
-    for p, c in zip(dataset["prompt"], dataset[completion_column]):
-        if not isinstance(p, str) or not isinstance(c, str):
-            kinds.append("malformed")
-        elif not c.strip():
-            kinds.append("empty_completion")
-        else:
-            kinds.append("ok")
-    report = {
-        "rows": n,
-        "kept": kinds.count("ok"),
-        "empty_completion": kinds.count("empty_completion"),
-        "malformed": kinds.count("malformed"),
-    }
-    if report["kept"] == 0:
-        raise BadDataError(f"no usable row in the dataset: {report}")
-    if report["kept"] < n:
-        logger.warning(
-            "skipped %d of %d rows: %d with an empty completion, %d malformed (prompt/completion not strings)",
-            n - report["kept"], n, report["empty_completion"], report["malformed"],
-        )
-        keep = [i for i, k in enumerate(kinds) if k == "ok"]
-        dataset = dataset.select(keep)
-
-    if answer_sep is None:
-        from data_prep.common import ANSWER_SEP as answer_sep
-    sep = answer_sep if completion_column == "answer" else ""
-
-    def to_row(ex):
-        p, c = ex["prompt"], ex[completion_column]
-        if chat:
-            return {"prompt": [{"role": "user", "content": p}], "completion": [{"role": "assistant", "content": c}]}
-        return {"prompt": p, "completion": sep + c}
-
-    drop = [completion_column] if completion_column != "completion" else []
-    if chat:
-        drop += [c for c in ("prompt", "completion") if c in cols and c not in drop]
-    dataset = dataset.map(to_row, remove_columns=drop or None)
-    return dataset, report
-
-
-# ------------------------------------------------------------------------------------------------
-# Model helpers for the recipes
-# ------------------------------------------------------------------------------------------------
-#: LoRA targets per looped model type: the backbone's attention and MLP projections. PEFT has no
-#: defaults for unknown model types (ECOSYSTEM.md), so they are explicit.
-LORA_TARGETS: dict[str, list[str]] = {
-    "looped_llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "looped_qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-}
-#: modules that train fully next to the adapters (and are saved with them)
-LORA_MODULES_TO_SAVE = ["updater", "halting"]
-
-
-def apply_lora(model: LoopedForCausalLM, r: int = 16, alpha: int = 32, dropout: float = 0.0, targets=None):
-    """Wrap ``model`` for LoRA: adapters on the backbone projections, updater and decider trained fully.
-
-    Args:
-        model: a looped model.
-        r, alpha, dropout: LoRA rank, scaling numerator and dropout.
-        targets: module names to adapt; default ``LORA_TARGETS[model_type]``.
-
-    Returns:
-        A ``peft.PeftModel``.
-
-    Raises:
-        ValueError: no default targets for this model type and none given.
-    """
-    from peft import LoraConfig, get_peft_model
-
-    mt = model.config.model_type
-    if targets is None:
-        if mt not in LORA_TARGETS:
-            raise ValueError(f"no default LoRA targets for model type {mt!r} (known: {sorted(LORA_TARGETS)}); pass targets=")
-        targets = LORA_TARGETS[mt]
-    cfg = LoraConfig(
-        r=r,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        target_modules=list(targets),
-        modules_to_save=list(LORA_MODULES_TO_SAVE),
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, cfg)
-
-
-def zero3_enabled(args=None) -> bool:
-    """DeepSpeed ZeRO stage 3 is configured (by ``TrainingArguments`` or ``accelerate launch``)."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    if is_deepspeed_zero3_enabled():
-        return True
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and os.environ.get(
-        "ACCELERATE_DEEPSPEED_ZERO_STAGE", ""
-    ) == "3"
-
-
-def build_looped_model(spec: str, loop: LoopConfig, dtype=None):
-    """Load ``spec`` (``retrofit.loading.load_model``) and retrofit it with ``loop``.
-
-    A folder that already holds a looped checkpoint is loaded as is (its own ``LoopConfig`` wins;
-    a different ``loop`` only logs a warning, except ``fixed_graph``, which is set).
-
-    Returns:
-        ``(model, tokenizer)``.
-    """
-    from .convert import convert
-    from .loading import load_model
-
-    base, tok = load_model(spec, dtype=dtype)
-    if isinstance(base, LoopedForCausalLM):
-        have = base.loop
-        if have.to_dict() != {**loop.to_dict(), "fixed_graph": have.fixed_graph}:
-            logger.warning("%s is already looped with %s; ignoring the requested %s", spec, have, loop)
-        if loop.fixed_graph and not have.fixed_graph:
-            base.config.loop = {**base.config.loop, "fixed_graph": True}
-        return base, tok
-    return convert(base, loop), tok
-
-
-def _no_eval_without_eval_set(args, eval_dataset) -> None:
-    """Turn periodic evaluation off, with a warning, when there is no evaluation set.
-
-    A preset that evaluates every N steps (``eval_strategy: steps``) then still runs with
-    ``--data_file`` and no ``--eval_file`` (the recipes' documented smoke commands) instead of
-    failing in ``Trainer.__init__``. With ``load_best_model_at_end`` evaluation is needed: a clear error.
-    """
-    from transformers.trainer_utils import IntervalStrategy
-
-    if eval_dataset is not None or args.eval_strategy in (None, IntervalStrategy.NO, "no"):
-        return
-    if args.load_best_model_at_end:
-        raise BadDataError(
-            "load_best_model_at_end needs an evaluation set, and none was given (--eval_file, or --n_eval > 0 for a task)"
-        )
-    logger.warning("no evaluation set: turning off periodic evaluation (eval_strategy %s -> no)", args.eval_strategy)
-    args.eval_strategy = IntervalStrategy.NO
-    args.do_eval = False
-
-
 def _unwrap_looped(model) -> LoopedForCausalLM:
     from peft import PeftModel
 
@@ -380,7 +199,7 @@ class RetrofitSFTTrainer(SFTTrainer):
         # TRL truncates long rows silently (which would cut answers); prepare untruncated, then drop
         # and count the rows that do not fit. With packing, max_length is the pack size: keep it.
         self._max_length = args.max_length if not args.packing else None  # None: TRL handles length
-        _no_eval_without_eval_set(args, kwargs.get("eval_dataset", pargs[2] if len(pargs) > 2 else None))
+        no_eval_without_eval_set(args, kwargs.get("eval_dataset", pargs[2] if len(pargs) > 2 else None))
         with self._untruncated(args):
             super().__init__(model, args, *pargs, **kwargs)
         self.train_dataset = self._drop_bad_rows(self.train_dataset, "train")
@@ -439,27 +258,11 @@ class RetrofitSFTTrainer(SFTTrainer):
         return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def _drop_bad_rows(self, dataset, name: str):
-        max_length = self._max_length
-        if dataset is None or not isinstance(dataset, datasets.Dataset) or "input_ids" not in dataset.column_names:
-            return dataset
-        n = len(dataset)
-        lengths = [len(x) for x in dataset["input_ids"]]
-        has_labels = "labels" in dataset.column_names
-        trainable = [any(t != -100 for t in x[1:]) for x in dataset["labels"]] if has_labels else [True] * n
-        too_long = [max_length is not None and L > max_length for L in lengths]
-        keep = [i for i in range(n) if trainable[i] and not too_long[i]]
-        report = {"rows": n, "kept": len(keep), "too_long": sum(too_long), "no_trainable_token": n - sum(trainable)}
-        self.data_report[name] = report
-        if len(keep) < n:
-            logger.warning(
-                "%s: skipped %d of %d rows: %d longer than max_length=%s tokens, %d without a trainable token",
-                name, n - len(keep), n, report["too_long"], max_length, report["no_trainable_token"],
-            )
-        if not keep:
-            raise BadDataError(
-                f"{name}: no row left after filtering ({report}); raise --max_length (longest row: {max(lengths)} tokens)"
-            )
-        return dataset.select(keep) if len(keep) < n else dataset
+        """``sft_data.drop_bad_rows`` at the trainer's length limit; the counts go to ``self.data_report``."""
+        dataset, report = drop_bad_rows(dataset, self._max_length, name)
+        if report is not None:
+            self.data_report[name] = report
+        return dataset
 
     # -- loss --------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
