@@ -29,9 +29,15 @@ Every flag is shared by all recipes (``retrofit.recipe``); ``--help`` lists them
 
 from pathlib import Path
 
-from retrofit.recipe import RecipeSpec, recipe_main
+from retrofit.recipe import RecipeSpec, recipe_main, run_recipe
 
 SPEC = RecipeSpec("anira_llama", Path(__file__).parent / "configs" / "anira_llama.yaml", methods=("anira-e", "anira-o"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the recipe on ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    return run_recipe(SPEC, argv)
+
 
 if __name__ == "__main__":
     recipe_main(SPEC)

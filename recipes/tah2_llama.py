@@ -45,9 +45,15 @@ TensorBoard logs in ``runs/``; with ``--report true`` (the preset's default) als
 
 from pathlib import Path
 
-from retrofit.recipe import RecipeSpec, recipe_main
+from retrofit.recipe import RecipeSpec, recipe_main, run_recipe
 
 SPEC = RecipeSpec("tah2_llama", Path(__file__).parent / "configs" / "tah2_llama.yaml", methods=("tah2",))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the recipe on ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    return run_recipe(SPEC, argv)
+
 
 if __name__ == "__main__":
     recipe_main(SPEC)

@@ -36,9 +36,15 @@ resumable), ``final/`` (model or LoRA adapter, and tokenizer), ``final-merged/``
 
 from pathlib import Path
 
-from retrofit.recipe import RecipeSpec, recipe_main
+from retrofit.recipe import RecipeSpec, recipe_main, run_recipe
 
 SPEC = RecipeSpec("tah2_qwen3", Path(__file__).parent / "configs" / "tah2_qwen3.yaml", methods=("tah2",))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the recipe on ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    return run_recipe(SPEC, argv)
+
 
 if __name__ == "__main__":
     recipe_main(SPEC)

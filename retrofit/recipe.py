@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .config import LoopConfig
+from .errors import RetrofitUserError
 
 logger = logging.getLogger("retrofit.recipe")
 
@@ -142,7 +143,7 @@ class ScriptArgs:
         names = [c.strip() for c in (self.control or "").split(",") if c.strip()]
         bad = [c for c in names if c not in CONTROLS]
         if bad:
-            raise SystemExit(f"--control {','.join(bad)} is not a control arm; allowed: {', '.join(CONTROLS)}")
+            raise RetrofitUserError(f"--control {','.join(bad)} is not a control arm; allowed: {', '.join(CONTROLS)}")
         return list(dict.fromkeys(names))
 
 
@@ -161,7 +162,7 @@ def parse_levels(text: str | None) -> list[int] | None:
     try:
         return [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"levels must be comma-separated integers, got {text!r}") from None
+        raise RetrofitUserError(f"levels must be comma-separated integers, got {text!r}") from None
 
 
 def parse_recipe_args(spec: RecipeSpec, argv=None):
@@ -178,7 +179,7 @@ def parse_recipe_args(spec: RecipeSpec, argv=None):
         argv = ["--config", str(spec.preset), *argv]
     script, train, loop = TrlParser((ScriptArgs, RetrofitSFTConfig, LoopArgs)).parse_args_and_config(argv)
     if loop.method not in spec.methods:
-        raise SystemExit(f"{spec.name} trains --method {' or '.join(spec.methods)}, got {loop.method!r}")
+        raise RetrofitUserError(f"--method must be {' or '.join(spec.methods)}, got {loop.method!r} ({spec.name})")
     return script, train, loop
 
 
@@ -200,7 +201,7 @@ def task_splits(args: ScriptArgs):
 
 def use_chat(args: ScriptArgs, tokenizer) -> bool:
     if args.chat not in ("auto", "true", "false"):
-        raise SystemExit(f"--chat must be auto, true or false, got {args.chat!r}")
+        raise RetrofitUserError(f"--chat must be auto, true or false, got {args.chat!r}")
     return args.chat == "true" or (args.chat == "auto" and tokenizer.chat_template is not None)
 
 
@@ -287,7 +288,7 @@ def train_and_save(model, tokenizer, train_args, train, evals, *, resume: bool, 
     if resume:
         start = last_checkpoint(train_args.output_dir)
         if start is None:
-            raise SystemExit(f"--resume: no complete checkpoint-N folder in {train_args.output_dir}")
+            raise RetrofitUserError(f"--resume: no complete checkpoint-N folder in {train_args.output_dir}")
         logger.info("resuming from %s", start)
     trainer.train(resume_from_checkpoint=start)
     trainer.save_model_atomic(str(out / "final"))
@@ -319,7 +320,7 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
     logging.basicConfig(level=logging.INFO if targs.should_log else logging.WARNING)
     controls = script.controls()
     if (controls or script.report) and zero3_enabled(targs):
-        raise SystemExit("--control and --report run on one process; drop them under ZeRO-3 and evaluate the saved checkpoints")
+        raise RetrofitUserError("--control and --report run on one process; drop them under ZeRO-3 and evaluate the saved checkpoints")
     set_seed(targs.seed)
 
     # 1. The looped model. Under ZeRO-3 the loop always unrolls max_depth iterations: DeepSpeed's

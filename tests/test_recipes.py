@@ -84,7 +84,7 @@ def check_run(out: Path, steps: int, adapter=False):
 def tah2_args(rows_file, out):
     # the preset loops SmolLM2's layers 20-25; the 6-layer tiny model gets a split that fits
     return ["--model", "tiny-llama", "--data_file", str(rows_file), "--output_dir", str(out),
-            "--prelude", "1", "--core", "4", "--freeze_prelude", "true",
+            "--prelude", "1", "--core", "4", "--freeze_prelude", "true", "--lora", "false",
             "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "3", "--learning_rate", "3e-3", *COMMON]
 
 
@@ -164,7 +164,7 @@ def test_tah2_llama_zero2_two_cpu_processes(tmp_path, rows_file, tah2_run):
     out = tmp_path / "z2"
     common = [a if a != "4" else "2" for a in COMMON]  # per-device batch 2
     args = ["--model", "tiny-llama", "--data_file", str(rows_file), "--output_dir", str(out),
-            "--prelude", "1", "--core", "4", "--freeze_prelude", "true",
+            "--prelude", "1", "--core", "4", "--freeze_prelude", "true", "--lora", "false",
             "--max_steps", "3", "--save_steps", "3", "--use_cpu", "true", *common]
     launch("zero2.yaml", "tah2_llama.py", args, extra_launch=["--num_processes", "2", "--mixed_precision", "no"])
     logs = check_run(out, 3)

@@ -128,7 +128,8 @@ def tah2():
     return recipe("tah2_llama")
 
 
-TINY = ["--model", "tiny-llama", "--prelude", "1", "--core", "4", "--report", "false", "--report_to", "none",
+TINY = ["--model", "tiny-llama", "--prelude", "1", "--core", "4", "--report", "false", "--control", "", "--lora", "false",
+        "--report_to", "none",
         "--max_steps", "1", "--per_device_train_batch_size", "2", "--activation_checkpointing", "false"]
 
 DATA_FILES = [
