@@ -58,9 +58,17 @@ def build(args):
     from retrofit import LoopConfig, convert
 
     cfg = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=2, pad_token_id=0, bos_token_id=1,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -113,14 +121,23 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--large-batch", type=int, default=256,
-                   help="also time the mixed batch against depth 1 and D at this batch size (0: skip)")
+    p.add_argument(
+        "--large-batch",
+        type=int,
+        default=256,
+        help="also time the mixed batch against depth 1 and D at this batch size (0: skip)",
+    )
     p.add_argument("--large-new-tokens", type=int, default=6, help="new tokens of the --large-batch runs")
     p.add_argument("--large-prompt", type=int, default=2, help="prompt tokens of the --large-batch runs")
     p.add_argument("--repeats", type=int, default=3, help="timing rounds (minimum per configuration)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--decider-scale", type=float, default=1.0, help="random decider weight scale (spread of depths)")
-    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="process CPU time (robust on a shared machine) or wall time")
+    p.add_argument(
+        "--clock",
+        choices=["cpu", "wall"],
+        default="cpu",
+        help="process CPU time (robust on a shared machine) or wall time",
+    )
     p.add_argument("--unrolled-batches", default="1,8", help="batch sizes of the fixed-depth vs unrolled comparison")
     p.add_argument("--only-unrolled", action="store_true", help="time only the fixed-depth vs unrolled comparison")
     p.add_argument("--quick", action="store_true", help="8 layers, batch 8, 8 new tokens, 2 rounds")
@@ -175,6 +192,7 @@ def main(argv=None) -> dict:
             total = (c1 - c0) if cpu else (t1 - t0)
             decode = st.clock[-1] - st.clock[1]  # the N - 1 decode steps
             return out, total, decode, st.wall[-1] - st.wall[1]
+
         return f
 
     unrolled = unrolled_model(base, D)
@@ -184,24 +202,30 @@ def main(argv=None) -> dict:
     for b in ub:
         runs_u[f"unrolled_b{b}"] = run(unrolled, f"unrolled_b{b}", idsU[:b], looped=False)
         runs_u[f"looped_b{b}"] = run(fixed, f"looped_b{b}", idsU[:b], depth=D)
-    runs = {} if args.only_unrolled else {
-        "base": run(base, "base", ids, looped=False),
-        "depth1": run(fixed, "depth1", ids, depth=1),
-        f"depth{args.k}": run(fixed, f"depth{args.k}", ids, depth=args.k),
-        f"depth{D}": run(fixed, f"depth{D}", ids, depth=D),
-        "mixed": run(mixed, "mixed", ids),
-        "base_b1": run(base, "base_b1", ids1, looped=False),
-        "depth1_b1": run(fixed, "depth1_b1", ids1, depth=1),
-    }
+    runs = (
+        {}
+        if args.only_unrolled
+        else {
+            "base": run(base, "base", ids, looped=False),
+            "depth1": run(fixed, "depth1", ids, depth=1),
+            f"depth{args.k}": run(fixed, f"depth{args.k}", ids, depth=args.k),
+            f"depth{D}": run(fixed, f"depth{D}", ids, depth=D),
+            "mixed": run(mixed, "mixed", ids),
+            "base_b1": run(base, "base_b1", ids1, looped=False),
+            "depth1_b1": run(fixed, "depth1_b1", ids1, depth=1),
+        }
+    )
     runs.update(runs_u)
     NL = args.large_new_tokens
     if args.large_batch and not args.only_unrolled:
         idsL = torch.randint(10, args.vocab, (args.large_batch, args.large_prompt), generator=g)
-        runs.update({
-            "L_depth1": run(fixed, "L_depth1", idsL, new_tokens=NL, depth=1),
-            f"L_depth{D}": run(fixed, f"L_depth{D}", idsL, new_tokens=NL, depth=D),
-            "L_mixed": run(mixed, "L_mixed", idsL, new_tokens=NL),
-        })
+        runs.update(
+            {
+                "L_depth1": run(fixed, "L_depth1", idsL, new_tokens=NL, depth=1),
+                f"L_depth{D}": run(fixed, f"L_depth{D}", idsL, new_tokens=NL, depth=D),
+                "L_mixed": run(mixed, "L_mixed", idsL, new_tokens=NL),
+            }
+        )
     totals: dict[str, list[float]] = {k: [] for k in runs}
     decodes: dict[str, list[float]] = {k: [] for k in runs}
     wall: dict[str, list[float]] = {k: [] for k in runs}
@@ -233,23 +257,48 @@ def main(argv=None) -> dict:
         # the unrolled model runs the same layers (and head) without the updater between depths
         flops_ratio = c["flops"] / (c["flops"] - 2.0 * c["n_tokens"] * (D - 1) * model_costs(fixed)["updater"])
         t = t_dec[f"looped_b{b}"] / t_dec[f"unrolled_b{b}"]
-        return {"batch": b, "time_looped_s": t_dec[f"looped_b{b}"], "time_unrolled_s": t_dec[f"unrolled_b{b}"],
-                "time_ratio": t, "wall_ratio": w_dec[f"looped_b{b}"] / w_dec[f"unrolled_b{b}"],
-                "flops_ratio": flops_ratio, "time_over_flops": t / flops_ratio,
-                # per round: the spread shows how much the machine's load moved the figure
-                "time_ratio_per_round": [round(a / u, 4) for a, u in zip(decodes[f"looped_b{b}"],
-                                                                        decodes[f"unrolled_b{b}"])]}
+        return {
+            "batch": b,
+            "time_looped_s": t_dec[f"looped_b{b}"],
+            "time_unrolled_s": t_dec[f"unrolled_b{b}"],
+            "time_ratio": t,
+            "wall_ratio": w_dec[f"looped_b{b}"] / w_dec[f"unrolled_b{b}"],
+            "flops_ratio": flops_ratio,
+            "time_over_flops": t / flops_ratio,
+            # per round: the spread shows how much the machine's load moved the figure
+            "time_ratio_per_round": [
+                round(a / u, 4) for a, u in zip(decodes[f"looped_b{b}"], decodes[f"unrolled_b{b}"])
+            ],
+        }
 
     unrolled_rows = [unrolled_row(b) for b in ub]
-    setup = {"threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-             "load_avg_1m": os.getloadavg()[0], "repeats": args.repeats, "clock": args.clock, "torch": torch.__version__,
-             "prompt": args.prompt, "new_tokens": N}
-    model_row = {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
-                 "kv_heads": args.kv_heads, "vocab": args.vocab, "max_depth": D}
+    setup = {
+        "threads": args.threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "load_avg_1m": os.getloadavg()[0],
+        "repeats": args.repeats,
+        "clock": args.clock,
+        "torch": torch.__version__,
+        "prompt": args.prompt,
+        "new_tokens": N,
+    }
+    model_row = {
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "intermediate": args.intermediate,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "vocab": args.vocab,
+        "max_depth": D,
+    }
     if args.only_unrolled:
-        result = {"command": "python benchmarks/decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  "model": model_row, "setup": setup, "fixed_depth_vs_unrolled": unrolled_rows,
-                  "wall_s": time.perf_counter() - t_start}
+        result = {
+            "command": "python benchmarks/decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "model": model_row,
+            "setup": setup,
+            "fixed_depth_vs_unrolled": unrolled_rows,
+            "wall_s": time.perf_counter() - t_start,
+        }
         text = json.dumps(result, indent=2)
         print(text)
         if args.out:
@@ -261,8 +310,16 @@ def main(argv=None) -> dict:
         ck, cD = cost(f"depth{k}", part), cost(f"depth{D}", part)
         t_ratio = t[f"depth{k}"] / t[f"depth{D}"]
         f_ratio = ck["flops"] / cD["flops"]
-        return {"k": k, "D": D, "time_s": t[f"depth{k}"], "time_D_s": t[f"depth{D}"], "time_ratio": t_ratio,
-                "flops_ratio": f_ratio, "layer_pass_ratio": ck["layers_adaptive_vs_fixed"], "time_over_flops": t_ratio / f_ratio}
+        return {
+            "k": k,
+            "D": D,
+            "time_s": t[f"depth{k}"],
+            "time_D_s": t[f"depth{D}"],
+            "time_ratio": t_ratio,
+            "flops_ratio": f_ratio,
+            "layer_pass_ratio": ck["layers_adaptive_vs_fixed"],
+            "time_over_flops": t_ratio / f_ratio,
+        }
 
     def mixed_row(t, part, pre=""):
         cm, cD = cost(pre + "mixed", part), cost(f"{pre}depth{D}", part)
@@ -270,27 +327,45 @@ def main(argv=None) -> dict:
         ideal = tD * cm["flops"] / cD["flops"]
         # the same ideal from the measured fixed-depth times: linear in the mean depth
         interp = t1 + (cm["mean_depth"] - 1) * (tD - t1) / (D - 1)
-        return {"batch": args.large_batch if pre else args.batch, "mean_depth": cm["mean_depth"],
-                "depth_histogram": [int(x) for x in torch.bincount(
-                    caches[pre + "mixed"].token_depths.flatten(), minlength=D + 1)[1:]],
-                "time_s": tm, "time_D_s": tD, "flops_ratio_vs_D": cm["flops"] / cD["flops"],
-                "time_ratio_vs_D": tm / tD, "ideal_time_s": ideal, "time_over_ideal": tm / ideal,
-                "time_over_interpolated_fixed": tm / interp}
+        return {
+            "batch": args.large_batch if pre else args.batch,
+            "mean_depth": cm["mean_depth"],
+            "depth_histogram": [
+                int(x) for x in torch.bincount(caches[pre + "mixed"].token_depths.flatten(), minlength=D + 1)[1:]
+            ],
+            "time_s": tm,
+            "time_D_s": tD,
+            "flops_ratio_vs_D": cm["flops"] / cD["flops"],
+            "time_ratio_vs_D": tm / tD,
+            "ideal_time_s": ideal,
+            "time_over_ideal": tm / ideal,
+            "time_over_interpolated_fixed": tm / interp,
+        }
 
-    same = bool(torch.equal(outputs["base"], outputs["depth1"])) and bool(torch.equal(outputs["base_b1"], outputs["depth1_b1"]))
+    same = bool(torch.equal(outputs["base"], outputs["depth1"])) and bool(
+        torch.equal(outputs["base_b1"], outputs["depth1_b1"])
+    )
 
     def base_row(t):
-        return {"batch": args.batch, "time_base_s": t["base"], "time_depth1_s": t["depth1"],
-                "time_ratio": t["depth1"] / t["base"], "batch1_time_base_s": t["base_b1"],
-                "batch1_time_depth1_s": t["depth1_b1"], "batch1_time_ratio": t["depth1_b1"] / t["base_b1"],
-                "same_tokens": same}
+        return {
+            "batch": args.batch,
+            "time_base_s": t["base"],
+            "time_depth1_s": t["depth1"],
+            "time_ratio": t["depth1"] / t["base"],
+            "batch1_time_base_s": t["base_b1"],
+            "batch1_time_depth1_s": t["depth1_b1"],
+            "batch1_time_ratio": t["depth1_b1"] / t["base_b1"],
+            "same_tokens": same,
+        }
 
     kv_m, kv_D = caches["mixed"], caches[f"depth{D}"]
     dm = kv_m.token_depths
     share = float(dm.sum()) / (dm.numel() * D)
     kv_row = {
-        "core_bytes_mixed": kv_m.nbytes("core"), "core_bytes_D": kv_D.nbytes("core"),
-        "core_bytes_ratio": kv_m.nbytes("core") / kv_D.nbytes("core"), "executed_share": share,
+        "core_bytes_mixed": kv_m.nbytes("core"),
+        "core_bytes_D": kv_D.nbytes("core"),
+        "core_bytes_ratio": kv_m.nbytes("core") / kv_D.nbytes("core"),
+        "executed_share": share,
         "mean_depth": float(dm.float().mean()),
         "total_bytes_ratio": kv_m.nbytes() / kv_D.nbytes(),
         "allocated_bytes_ratio": kv_m.allocated_nbytes() / kv_D.allocated_nbytes(),
@@ -298,11 +373,26 @@ def main(argv=None) -> dict:
 
     result = {
         "command": "python benchmarks/decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate, "heads": args.heads,
-                  "kv_heads": args.kv_heads, "vocab": args.vocab, "max_depth": D},
-        "setup": {"batch": args.batch, "prompt": args.prompt, "new_tokens": N, "threads": args.threads,
-                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "load_avg_1m": os.getloadavg()[0],
-                  "repeats": args.repeats, "clock": args.clock, "torch": torch.__version__},
+        "model": {
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "intermediate": args.intermediate,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "vocab": args.vocab,
+            "max_depth": D,
+        },
+        "setup": {
+            "batch": args.batch,
+            "prompt": args.prompt,
+            "new_tokens": N,
+            "threads": args.threads,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "load_avg_1m": os.getloadavg()[0],
+            "repeats": args.repeats,
+            "clock": args.clock,
+            "torch": torch.__version__,
+        },
         "decode": {  # the N - 1 one-token steps (the figures the issue asks for)
             "fixed_depth": [fixed_row(k, t_dec, "decode") for k in (1, args.k)],
             "mixed_depth": mixed_row(t_dec, "decode"),

@@ -94,8 +94,9 @@ def build_checkpoint(path: Path, steps: int, seed: int = 0):
 
 
 def looped_from(path: Path, seed: int = 0):
-    import retrofit
     from transformers import LlamaForCausalLM
+
+    import retrofit
 
     base = LlamaForCausalLM.from_pretrained(path).eval()
     with torch.random.fork_rng():

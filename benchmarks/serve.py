@@ -121,7 +121,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens (mixed-depth and unrolled figures)")
     p.add_argument("--new-tokens", type=int, default=16, help="answer tokens (mixed-depth and unrolled figures)")
     p.add_argument("--large-new-tokens", type=int, default=6, help="answer tokens at batch >= 128")
-    p.add_argument("--waves", type=int, default=2, help="requests = waves × batch for batch < 128 (keeps the batch full)")
+    p.add_argument(
+        "--waves", type=int, default=2, help="requests = waves × batch for batch < 128 (keeps the batch full)"
+    )
     p.add_argument("--trace-requests", type=int, default=96)
     p.add_argument("--trace-batch", type=int, default=16)
     p.add_argument("--trace-rate", type=float, default=40.0, help="Poisson arrival rate (requests per clock second)")

@@ -38,8 +38,15 @@ from retrofit.halting.base import LossConfig  # noqa: E402
 
 # SmolLM2-135M's shapes (a Llama: 30 layers, hidden 576, vocab 49152)
 SMOLLM2_SHAPES = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
 )
 
 
@@ -79,7 +86,9 @@ def sync(device):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-shape", help="smollm2-shape (random), smollm2, tiny-llama, a path or hub id")
+    ap.add_argument(
+        "--model", default="smollm2-shape", help="smollm2-shape (random), smollm2, tiny-llama, a path or hub id"
+    )
     ap.add_argument("--layers", type=int, default=None, help="smollm2-shape only: number of layers (default 30)")
     ap.add_argument("--max_depth", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2)
@@ -108,7 +117,9 @@ def main() -> None:
         model.to(device).train()
         if name == "tah2_mixed":
             with torch.no_grad():  # continue logit ≈ N(0, 1): about half the tokens exit at depth 1
-                torch.nn.init.normal_(model.halting.decider.fc2.weight, std=1.0 / model.halting.decider.fc2.in_features**0.5)
+                torch.nn.init.normal_(
+                    model.halting.decider.fc2.weight, std=1.0 / model.halting.decider.fc2.in_features**0.5
+                )
                 model.halting.decider.fc2.bias.zero_()
         runs[name] = {"step": make_step(model, cfg), "times": [], "cpu": [], "mean_depth": []}
 
@@ -131,7 +142,9 @@ def main() -> None:
     cpu = {n: statistics.median(r["cpu"]) for n, r in runs.items()}
     result = {
         "benchmark": "train_step",
-        "model": args.model if args.model != "smollm2-shape" else f"smollm2-shape({base.config.num_hidden_layers} layers, random)",
+        "model": args.model
+        if args.model != "smollm2-shape"
+        else f"smollm2-shape({base.config.num_hidden_layers} layers, random)",
         "device": str(device),
         "threads": torch.get_num_threads(),
         "batch": args.batch,

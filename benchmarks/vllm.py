@@ -19,7 +19,8 @@ once. ``generate`` decodes the trace as one left-padded batch; vLLM schedules it
 Figures: ``tokens_per_s`` = generated tokens / wall seconds of the whole trace (prefill included,
 engine start-up excluded, best of ``--repeats``); ``mean_depth`` = the HF model's mean exit depth
 over generated tokens; ``base_model``: the plain base Llama (same weights, no loop) in both
-engines, the yardstick for what each engine costs per layer on this machine. Wall time: on a machine shared with other jobs, compare ratios from one run.
+engines, the yardstick for what each engine costs per layer on this machine. Wall time: on a machine shared
+with other jobs, compare ratios from one run.
 vLLM computes every depth for every token (exited tokens only refresh the deeper caches, see
 ``retrofit/vllm_plugin/model.py``), so its cost is that of depth ``D``; ``generate`` skips exited tokens.
 """

@@ -145,7 +145,8 @@ def _check_file_rows(rows: list, path: Path, lines: list[int] | None) -> None:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DataError(
-                f"{at(i)}: a row must be a JSON object with {_ACCEPTED}, got a {_kind(row) or 'null'} ({json.dumps(row)[:60]})",
+                f"{at(i)}: a row must be a JSON object with {_ACCEPTED}, "
+                f"got a {_kind(row) or 'null'} ({json.dumps(row)[:60]})",
                 i,
                 "not_a_dict",
             )

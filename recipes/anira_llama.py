@@ -11,7 +11,8 @@ With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on MANO with 
 
     accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py
     accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --method anira-o --halt_threshold 0.3
-    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --task brevo --max_depth 6 --gamma 0.05
+    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py \\
+        --task brevo --max_depth 6 --gamma 0.05
     # the same-budget controls and the side-by-side report
     accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --control sft,fixed --report true
     # CPU smoke test on a tiny random model and your own rows (JSON lines with prompt + answer)

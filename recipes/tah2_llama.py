@@ -16,7 +16,8 @@ exports the looped checkpoint, and writes ``report/`` and ``summary.json``::
 
 On a GPU, with the larger preset (11 MANO levels × 1000 rows, whole-stack looping)::
 
-    accelerate launch --config_file launch/single_gpu.yaml recipes/tah2_llama.py --config recipes/configs/tah2_llama_gpu.yaml
+    accelerate launch --config_file launch/single_gpu.yaml recipes/tah2_llama.py \\
+        --config recipes/configs/tah2_llama_gpu.yaml
 
 Other ways to run it::
 

@@ -33,8 +33,9 @@ def call_layer(model, layer, x, mask, pe, pos, store, depth: int):
     a core layer). Activation checkpointing is ours: transformers' per-layer checkpointing drops the
     ``cache`` argument of a layer that writes to it (which would silently turn duo-causal attention
     into same-depth-only attention); the stores are idempotent under replay."""
-    kwargs = dict(attention_mask=mask, position_embeddings=pe, position_ids=pos, cache=store, use_cache=False,
-                  loop_depth=depth)
+    kwargs = dict(
+        attention_mask=mask, position_embeddings=pe, position_ids=pos, cache=store, use_cache=False, loop_depth=depth
+    )
     if model._loop_checkpointing and model.training and torch.is_grad_enabled():
         return checkpoint(layer, x, **kwargs, **model._loop_checkpointing_kwargs)
     return layer(x, **kwargs)
@@ -190,8 +191,11 @@ class CachedStep:
                 f"attention_mask has {attention_mask.shape[1]} columns; expected past + new = {S0} + {Tn} or new = {Tn}"
             )
         if position_ids is None:
-            position_ids = (cache.next_position_ids(new_valid) if cache.batch is not None
-                            else (new_valid.long().cumsum(1) - 1).clamp_min(0))
+            position_ids = (
+                cache.next_position_ids(new_valid)
+                if cache.batch is not None
+                else (new_valid.long().cumsum(1) - 1).clamp_min(0)
+            )
         else:
             position_ids = position_ids.expand(B, Tn)
         self.model, self.cache, self.dtype = model, cache, x.dtype
@@ -258,6 +262,7 @@ class CachedStep:
             for j in range(d_last + 1, self.model.loop.max_depth + 1):
                 y = h
                 for layer in self.coda:
-                    y = call_layer(self.model, layer, y, self.dense_mask, self.pe, self.pos,
-                                   self.cache.coda_readout[j], 0)
+                    y = call_layer(
+                        self.model, layer, y, self.dense_mask, self.pe, self.pos, self.cache.coda_readout[j], 0
+                    )
         self.cache.end_step(depths)

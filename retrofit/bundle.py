@@ -98,7 +98,9 @@ def _resolve(node: ast.ImportFrom, mod: _Module) -> str:
     return f"{base}.{node.module}" if node.module else base
 
 
-def _import_targets(node: ast.AST, mod: _Module, graph: _Graph) -> list[tuple[str, list[tuple[str, str | None]], str]] | None:
+def _import_targets(
+    node: ast.AST, mod: _Module, graph: _Graph
+) -> list[tuple[str, list[tuple[str, str | None]], str]] | None:
     """How an import statement maps onto bundled modules.
 
     Returns None when the statement imports nothing of the package; else a list of
@@ -193,7 +195,10 @@ def _rewrite(mod: _Module, graph: _Graph) -> tuple[str, set[str]]:
     if module_form:
         # module-object imports are invisible to transformers' `from .x import` scanner: list them
         # in a block that is scanned but never executed, so the files get copied
-        text = text.rstrip("\n") + "\n\n\nif False:  # retrofit export: lets transformers' remote-code loader find these files\n"
+        text = (
+            text.rstrip("\n")
+            + "\n\n\nif False:  # retrofit export: lets transformers' remote-code loader find these files\n"
+        )
         text += "".join(f"    from .{flat_name(t)} import __name__  # noqa: F401\n" for t in sorted(module_form))
     src_rel = mod.path.relative_to(graph.dir.parent).as_posix()
     header = (
@@ -301,8 +306,10 @@ def write_remote_code(folder: str | Path, model) -> tuple[dict[str, str], list[s
     folder = Path(folder)
     model_cls, config_cls = type(model), type(model.config)
     if model_cls.__module__ != config_cls.__module__:
-        raise BundleError(f"the model and config classes live in different modules ({model_cls.__module__}, "
-                          f"{config_cls.__module__}); the entry module expects one")
+        raise BundleError(
+            f"the model and config classes live in different modules ({model_cls.__module__}, "
+            f"{config_cls.__module__}); the entry module expects one"
+        )
     source = model_cls.__module__
     if not source.startswith(PACKAGE + "."):
         raise BundleError(f"class defined outside {PACKAGE!r} ({source}); cannot bundle it")

@@ -24,7 +24,8 @@ sees, for each earlier (or same) position ``s``,
   ``< m`` marked ``last`` (``s`` exited there). The query's own earlier depths are not ``last``,
   hence invisible.
 
-The stores live in ``retrofit.kv_stores``. The decode backend (``retrofit.backends.CachedStep``) drives the cache: per step it calls
+The stores live in ``retrofit.kv_stores``. The decode backend (``retrofit.backends.CachedStep``) drives the
+cache: per step it calls
 ``begin_step``, for each depth ``core.begin_depth`` (slot planning + mask), hands the sub-stores to
 the base decoder layers as their ``cache`` argument (they call ``update`` like on any transformers
 cache), marks exits with ``core.mark_last``, and closes with ``end_step``.
@@ -164,8 +165,10 @@ class DepthKVCache(Cache):
             self._pos = torch.zeros(B, 0, dtype=torch.long, device=dev)
             self.n_valid = torch.zeros(B, dtype=torch.long, device=dev)
         elif B != self.batch:
-            raise ValueError(f"this cache holds {self.batch} rows but the input has {B}; use batch_select_indices / "
-                             "batch_repeat_interleave to change the batch")
+            raise ValueError(
+                f"this cache holds {self.batch} rows but the input has {B}; use batch_select_indices / "
+                "batch_repeat_interleave to change the batch"
+            )
         if self._coda_ids:
             if self.readout_mode is None:
                 self.readout_mode = readout
@@ -215,7 +218,11 @@ class DepthKVCache(Cache):
 
     def next_position_ids(self, new_valid: torch.Tensor) -> torch.Tensor:
         """Default position ids ``[B, Tn]``: real tokens count on from the row's last position."""
-        base = self.n_valid if self.n_valid is not None else torch.zeros(new_valid.shape[0], dtype=torch.long, device=new_valid.device)
+        base = (
+            self.n_valid
+            if self.n_valid is not None
+            else torch.zeros(new_valid.shape[0], dtype=torch.long, device=new_valid.device)
+        )
         return (base[:, None] + new_valid.long().cumsum(1) - 1).clamp_min(0)
 
     # -- accounting -----------------------------------------------------------------------------

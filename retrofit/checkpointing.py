@@ -291,10 +291,22 @@ class InvalidCheckpointError(RetrofitUserError, ValueError):
 
 #: bytes per element of each safetensors dtype (sub-byte types are not size-checked)
 _ST_ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 _ST_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 #: torch files the Trainer restores with torch.load(weights_only=True): loaded (memory-mapped) to validate
@@ -349,7 +361,9 @@ def safetensors_header(path: str | os.PathLike) -> dict:
             if not all(isinstance(x, int) and x >= 0 for x in [*shape, b, e]) or e < b:
                 raise ValueError
         except (KeyError, TypeError, ValueError):
-            raise InvalidCheckpointError(f"{path} has a corrupt safetensors header (tensor {name!r}: {info!r:.120})") from None
+            raise InvalidCheckpointError(
+                f"{path} has a corrupt safetensors header (tensor {name!r}: {info!r:.120})"
+            ) from None
         if dtype in _ST_ITEMSIZE and math.prod(shape) * _ST_ITEMSIZE[dtype] != e - b:
             raise InvalidCheckpointError(
                 f"{path} has a corrupt safetensors header (tensor {name!r}: {dtype}{shape} cannot occupy {e - b} bytes)"
@@ -359,7 +373,9 @@ def safetensors_header(path: str | os.PathLike) -> dict:
     pos = 0
     for b, e, name in spans:
         if b != pos:
-            raise InvalidCheckpointError(f"{path} has a corrupt safetensors header (tensor {name!r} starts at {b}, expected {pos})")
+            raise InvalidCheckpointError(
+                f"{path} has a corrupt safetensors header (tensor {name!r} starts at {b}, expected {pos})"
+            )
         pos = e
     data = size - 8 - n
     if pos > data:

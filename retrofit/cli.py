@@ -17,13 +17,19 @@ from .errors import run_cli
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "convert": ("retrofit.cli_convert", "convert a base checkpoint (hub id, folder or GGUF) into an untrained looped checkpoint"),
+    "convert": (
+        "retrofit.cli_convert",
+        "convert a base checkpoint (hub id, folder or GGUF) into an untrained looped checkpoint",
+    ),
     "export": ("retrofit.export", "export a looped checkpoint as a self-contained Hub folder (optionally push it)"),
     "generate": ("retrofit.cli_generate", "generate text with per-token adaptive depth; show each token's exit depth"),
     "eval": ("retrofit.evaluation.runner", "complexity-controlled evaluation: accuracy and depth per difficulty level"),
     "lm-eval": ("retrofit.lm_eval.cli", "lm-eval with --model retrofit (d̄, FLOPs); write-tasks: local task folders"),
     "bench": ("retrofit.cli_bench", "run the speed/memory benchmarks and print JSON"),
-    "serve": ("retrofit.serving.cli", "OpenAI-compatible server with continuous depth-wise batching (FastAPI + uvicorn)"),
+    "serve": (
+        "retrofit.serving.cli",
+        "OpenAI-compatible server with continuous depth-wise batching (FastAPI + uvicorn)",
+    ),
     "params": ("retrofit.cli_params", "report the heads' parameter share at real model shapes (meta device)"),
 }
 

@@ -27,10 +27,14 @@ BENCHMARKS = {"decode": "decode.py"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", nargs="?", default="decode", choices=sorted(BENCHMARKS), help="which benchmark (default: decode)")
+    p.add_argument(
+        "name", nargs="?", default="decode", choices=sorted(BENCHMARKS), help="which benchmark (default: decode)"
+    )
     p.add_argument("--quick", action="store_true", help="the benchmark's short smoke configuration")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
-    p.add_argument("--args", default="", help='more arguments for the benchmark script, as one string (e.g. "--batch 16")')
+    p.add_argument(
+        "--args", default="", help='more arguments for the benchmark script, as one string (e.g. "--batch 16")'
+    )
 
 
 class BenchmarkNotFoundError(RetrofitUserError, FileNotFoundError):
@@ -62,8 +66,10 @@ def find_script(name: str, package_dir: Path | None = None) -> Path:
     root = source_checkout(package_dir)
     if root is not None and (root / "benchmarks" / fname).is_file():
         return root / "benchmarks" / fname
-    where = f"the checkout {root} has no benchmarks/{fname}" if root is not None else (
-        "retrofit is installed as a package, and the benchmarks ship with the source repository only"
+    where = (
+        f"the checkout {root} has no benchmarks/{fname}"
+        if root is not None
+        else ("retrofit is installed as a package, and the benchmarks ship with the source repository only")
     )
     raise BenchmarkNotFoundError(
         f"cannot run the {name} benchmark: {where}; clone the retrofit repository and run "

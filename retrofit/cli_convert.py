@@ -194,18 +194,30 @@ def convert_to_folder(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help="base model: smollm2 | tiny-llama | tiny-qwen3 | path/to/model.gguf | local folder | hub id")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="base model: smollm2 | tiny-llama | tiny-qwen3 | path/to/model.gguf | local folder | hub id",
+    )
     p.add_argument("--prelude", type=int, default=0, help="leading layers run once (0 = loop from the first layer)")
     p.add_argument("--core", type=int, default=None, help="layers looped after the prelude (default: all remaining)")
     p.add_argument("--max-depth", type=int, default=2, help="maximum core iterations D")
     p.add_argument("--method", default="tah2", choices=METHODS, help="halting method")
-    p.add_argument("--attention", default=None, choices=ATTENTION_MODES, help="attention across depths (default: the method's)")
-    p.add_argument("--updater-hidden", type=int, default=None, help="updater MLP width (default: hidden size; lower it to save parameters)")
+    p.add_argument(
+        "--attention", default=None, choices=ATTENTION_MODES, help="attention across depths (default: the method's)"
+    )
+    p.add_argument(
+        "--updater-hidden",
+        type=int,
+        default=None,
+        help="updater MLP width (default: hidden size; lower it to save parameters)",
+    )
     p.add_argument("--decider-hidden", type=int, default=None, help="decider FFN width (default: hidden size // 4)")
     p.add_argument("--out", required=True, help="folder to write (must be empty unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (only one that retrofit wrote)")
-    p.add_argument("--dtype", default="auto", choices=list(DTYPES), help="load dtype (GGUF files dequantize to float32)")
+    p.add_argument(
+        "--dtype", default="auto", choices=list(DTYPES), help="load dtype (GGUF files dequantize to float32)"
+    )
     p.add_argument("--base-model", default=None, help="record this base model id for the model card")
     p.add_argument("--license", default=None, help="record this license for the model card")
     p.add_argument("--no-check", action="store_true", help="skip the identity-at-init check")

@@ -31,15 +31,28 @@ class GenerateError(RetrofitUserError, ValueError):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="looped checkpoint folder, GGUF file, 'smollm2', 'tiny-llama', hub id")
+    p.add_argument(
+        "--model", required=True, help="looped checkpoint folder, GGUF file, 'smollm2', 'tiny-llama', hub id"
+    )
     p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the tokenizer's chat template")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user turn with the tokenizer's chat template"
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--depth", type=int, default=None, help="fixed depth k for every token (1 = base-model compute)")
-    g.add_argument("--exit", choices=["decider", "kl", "state"], default=None,
-                   help="exit rule: the model's learned decider (default), KL between successive depths' "
-                        "next-token distributions, or relative state change; kl/state need --threshold")
-    p.add_argument("--threshold", type=float, default=None, help="threshold T of --exit kl/state (e.g. 5e-4 for kl, 0.05 for state)")
+    g.add_argument(
+        "--exit",
+        choices=["decider", "kl", "state"],
+        default=None,
+        help="exit rule: the model's learned decider (default), KL between successive depths' "
+        "next-token distributions, or relative state change; kl/state need --threshold",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="threshold T of --exit kl/state (e.g. 5e-4 for kl, 0.05 for state)",
+    )
     p.add_argument("--taps", action="store_true", help="TAPS step sizes in the core (retrofit.schedulers.taps)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
@@ -48,9 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (with --sample)")
     p.add_argument("--show-depths", action="store_true", help="colour each token by its exit depth; print d̄ and FLOPs")
     p.add_argument("--html", default=None, metavar="OUT", help="write the depth-coloured answer to this HTML file")
-    p.add_argument("--truncate", action="store_true",
-                   help="when the prompt plus --max-new-tokens exceeds the model's context, keep the prompt's last "
-                        "tokens (default: refuse with an error)")
+    p.add_argument(
+        "--truncate",
+        action="store_true",
+        help="when the prompt plus --max-new-tokens exceeds the model's context, keep the prompt's last "
+        "tokens (default: refuse with an error)",
+    )
 
 
 def check_prompt(prompt: str) -> str:
@@ -88,12 +104,14 @@ def fit_context(ids, context: int | None, new_tokens: int, truncate: bool):
     room = context - new_tokens
     if room < 1:
         raise GenerateError(
-            f"--max-new-tokens {new_tokens} leaves no room for the prompt in the model's context of {context} positions; "
+            f"--max-new-tokens {new_tokens} leaves no room for the prompt in the model's context of "
+            f"{context} positions; "
             f"use at most {context - 1}"
         )
     if not truncate:
         raise GenerateError(
-            f"the prompt is {P} tokens; with --max-new-tokens {new_tokens} it needs {P + new_tokens} positions, but the "
+            f"the prompt is {P} tokens; with --max-new-tokens {new_tokens} it needs {P + new_tokens} "
+            f"positions, but the "
             f"model's context is {context}; shorten the prompt, lower --max-new-tokens, or pass --truncate to keep "
             f"its last {room} tokens"
         )
@@ -174,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         if not getattr(tok, "chat_template", None):
             raise GenerateError("--chat needs a tokenizer with a chat template")
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=False
+        )
         enc = tok(text, return_tensors="pt", add_special_tokens=False)
     else:
         enc = tok(args.prompt, return_tensors="pt")
@@ -187,9 +207,18 @@ def run(args: argparse.Namespace) -> int:
     enc = {k: v.to(model.device) for k, v in enc.items()}
     from .memory import check_generation_memory
 
-    check_generation_memory(model, 1, ids.shape[1], args.max_new_tokens,
-                            readout=(model.halting.needs_depth_readout or args.exit == "kl") if looped else False)
-    sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.sample else {"do_sample": False}
+    check_generation_memory(
+        model,
+        1,
+        ids.shape[1],
+        args.max_new_tokens,
+        readout=(model.halting.needs_depth_readout or args.exit == "kl") if looped else False,
+    )
+    sampling = (
+        {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+        if args.sample
+        else {"do_sample": False}
+    )
     if args.sample:
         torch.manual_seed(args.seed)
 
@@ -207,8 +236,13 @@ def run(args: argparse.Namespace) -> int:
         streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     with torch.no_grad():
         out = model.generate(
-            **enc, max_new_tokens=args.max_new_tokens, streamer=streamer, return_dict_in_generate=True,
-            pad_token_id=tok.pad_token_id, **sampling, **gen_kw,
+            **enc,
+            max_new_tokens=args.max_new_tokens,
+            streamer=streamer,
+            return_dict_in_generate=True,
+            pad_token_id=tok.pad_token_id,
+            **sampling,
+            **gen_kw,
         )
     P = enc["input_ids"].shape[1]
     new_ids = out.sequences[0, P:].tolist()
@@ -229,7 +263,9 @@ def run(args: argparse.Namespace) -> int:
             forced = args.depth is not None  # a forced depth runs no decider (retrofit.loop.ForcedExit)
             readout = (model.halting.needs_depth_readout and not forced) or args.exit == "kl"
             rep = cost_report(model, torch.tensor(depths), readout=readout, decider=not forced)
-            line += f"; FLOPs vs fixed depth {D}: {rep['flops_vs_fixed']:.3f}, vs base model: {rep['flops_vs_base']:.3f}"
+            line += (
+                f"; FLOPs vs fixed depth {D}: {rep['flops_vs_fixed']:.3f}, vs base model: {rep['flops_vs_base']:.3f}"
+            )
         print(line)
     if args.html:
         from .evaluation.html import write_depth_html

@@ -156,9 +156,7 @@ class LoopConfig:
         if self.attention is None:
             self.attention = DEFAULT_ATTENTION[self.method]
         if self.attention not in ATTENTION_MODES:
-            raise LoopConfigError(
-                f"unknown attention mode {self.attention!r}; allowed: {', '.join(ATTENTION_MODES)}"
-            )
+            raise LoopConfigError(f"unknown attention mode {self.attention!r}; allowed: {', '.join(ATTENTION_MODES)}")
         if not _is_int(self.max_depth) or self.max_depth < 1:
             raise LoopConfigError(f"max_depth must be an integer >= 1, got {self.max_depth!r}")
         if self.max_depth > MAX_DEPTH:
@@ -172,9 +170,7 @@ class LoopConfig:
         if self.core is not None and (not _is_int(self.core) or self.core < 1):
             raise LoopConfigError(f"core must be None (all remaining layers) or an integer >= 1, got {self.core!r}")
         if self.train_decisions not in ("threshold", "sample"):
-            raise LoopConfigError(
-                f"train_decisions must be 'threshold' or 'sample', got {self.train_decisions!r}"
-            )
+            raise LoopConfigError(f"train_decisions must be 'threshold' or 'sample', got {self.train_decisions!r}")
         for name in ("exit_threshold", "halt_threshold"):
             v = getattr(self, name)
             if not _is_number(v) or not 0.0 < v < 1.0:
@@ -272,7 +268,8 @@ def validate_depth(depth, batch: int, seq: int, max_depth: int):
         depth = depth.long()
         if depth.numel() and (bool((depth < 1).any()) or bool((depth > max_depth).any())):
             raise DepthError(
-                f"depth values must lie in 1..{max_depth} (max_depth); got min {int(depth.min())}, max {int(depth.max())}"
+                f"depth values must lie in 1..{max_depth} (max_depth); "
+                f"got min {int(depth.min())}, max {int(depth.max())}"
             )
         return depth
     raise DepthError(f"depth must be None, an int or a [B, T] integer tensor, got {type(depth).__name__}")

@@ -55,7 +55,9 @@ def control_loop_config(name: str, loop_args):
     raise ValueError(f"unknown control {name!r}; allowed: sft, fixed")
 
 
-def train_control(name: str, pristine_base, tokenizer, train_args, loop_args, train_dataset, out: Path) -> TrainedControl:
+def train_control(
+    name: str, pristine_base, tokenizer, train_args, loop_args, train_dataset, out: Path
+) -> TrainedControl:
     """Train one control arm (see the module docstring) and save it under ``out/control-<name>/``.
 
     Args:

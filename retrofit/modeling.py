@@ -308,7 +308,9 @@ class LoopedForCausalLM(PreTrainedModel):
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         cached = cache is not None or bool(use_cache and not self.training and labels is None)
         if cached and labels is not None:
-            raise ValueError("labels are not supported with a cache; run the full-sequence forward (no cache) for a loss")
+            raise ValueError(
+                "labels are not supported with a cache; run the full-sequence forward (no cache) for a loss"
+            )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -322,25 +324,41 @@ class LoopedForCausalLM(PreTrainedModel):
         depth_losses = labels is not None and (output_depth_losses or (want_aux and self.halting.needs_depth_losses))
 
         if cached:
-            readout = ((self.halting.needs_depth_readout and rule.runs_decider) or output_depth_logits
-                       or rule.needs_logits)
+            readout = (
+                (self.halting.needs_depth_readout and rule.runs_decider) or output_depth_logits or rule.needs_logits
+            )
             backend = CachedStep(self, cache, x, attention_mask, position_ids, readout)
         else:
             backend = FullSequence(self, x, attention_mask, position_ids)
         res = run_depth_loop(
-            self, backend.e, backend, rule, schedule,
+            self,
+            backend.e,
+            backend,
+            rule,
+            schedule,
             shift_labels=shifted_labels(labels) if depth_losses else None,
-            output_depth_logits=output_depth_logits, backprop_depth=backprop_depth, logits_to_keep=logits_to_keep,
+            output_depth_logits=output_depth_logits,
+            backprop_depth=backprop_depth,
+            logits_to_keep=logits_to_keep,
         )
         out = LoopedCausalLMOutput(
-            logits=res.logits, depths=res.depths, depth_probs=res.depth_probs, halt_signals=res.halt_signals,
-            depth_logits_q=res.depth_logits_q, depth_nll=res.depth_nll, depth_logits=res.depth_logits,
-            active=res.active, cache=backend.cache if cached else None,
+            logits=res.logits,
+            depths=res.depths,
+            depth_probs=res.depth_probs,
+            halt_signals=res.halt_signals,
+            depth_logits_q=res.depth_logits_q,
+            depth_nll=res.depth_nll,
+            depth_logits=res.depth_logits,
+            active=res.active,
+            cache=backend.cache if cached else None,
         )
         if labels is not None:
-            loss_kwargs = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "shift_labels", "ignore_index")}
-            out.loss = self.loss_function(logits=out.logits, labels=labels, vocab_size=self.config.vocab_size,
-                                          **loss_kwargs)
+            loss_kwargs = {
+                k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "shift_labels", "ignore_index")
+            }
+            out.loss = self.loss_function(
+                logits=out.logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs
+            )
             aux = None
             if want_aux and not _halting_signals_finite(out):
                 # diverged decider weights: TaH2's BCE raises on NaN input, so no op runs on them; a NaN

@@ -71,9 +71,11 @@ def run_folder_of(src: str | os.PathLike) -> Path | None:
         names = {p.name for p in parent.iterdir()}
     except OSError:
         return None
-    if any(_RUN_CHILD.match(n) and n.startswith("checkpoint-") for n in names) or (
-        "runs" in names and (parent / "runs").is_dir()
-    ) or any(f in names for f in _RUN_FILES):
+    if (
+        any(_RUN_CHILD.match(n) and n.startswith("checkpoint-") for n in names)
+        or ("runs" in names and (parent / "runs").is_dir())
+        or any(f in names for f in _RUN_FILES)
+    ):
         return parent
     return None
 

@@ -51,23 +51,44 @@ class LoopArgs:
 
     model: str = field(
         default="smollm2",
-        metadata={"help": "Hub id, local folder, .gguf file, 'smollm2' (embedded SmolLM2-135M-Instruct) or "
-                  "'tiny-llama'/'tiny-qwen3' (random, tests)."},
+        metadata={
+            "help": "Hub id, local folder, .gguf file, 'smollm2' (embedded SmolLM2-135M-Instruct) or "
+            "'tiny-llama'/'tiny-qwen3' (random, tests)."
+        },
     )
-    dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 (use --bf16 for mixed precision) or bfloat16."})
-    method: str = field(default="tah2", metadata={"help": "Halting method: tah2, anira-e, anira-o or fixed (the recipe says which it takes)."})
-    prelude: int = field(default=0, metadata={"help": "Layers run once before the loop (0 = whole-stack looping, as TaH2 and Ouro)."})
-    core: int | None = field(default=None, metadata={"help": "Layers looped after the prelude; the rest form the coda. None = all remaining."})
-    max_depth: int = field(default=2, metadata={"help": "Maximum iterations (TaH2's M; ANIRA's D). Compute grows ~linearly with it."})
+    dtype: str = field(
+        default="float32", metadata={"help": "Weights dtype: float32 (use --bf16 for mixed precision) or bfloat16."}
+    )
+    method: str = field(
+        default="tah2",
+        metadata={"help": "Halting method: tah2, anira-e, anira-o or fixed (the recipe says which it takes)."},
+    )
+    prelude: int = field(
+        default=0, metadata={"help": "Layers run once before the loop (0 = whole-stack looping, as TaH2 and Ouro)."}
+    )
+    core: int | None = field(
+        default=None,
+        metadata={"help": "Layers looped after the prelude; the rest form the coda. None = all remaining."},
+    )
+    max_depth: int = field(
+        default=2, metadata={"help": "Maximum iterations (TaH2's M; ANIRA's D). Compute grows ~linearly with it."}
+    )
     attention: str | None = field(
         default=None, metadata={"help": "duo-causal (TaH2) or same-depth (ANIRA); default: the method's own."}
     )
-    exit_threshold: float = field(default=0.5, metadata={"help": "tah2: τ_exit, stop at the first depth whose continue prob < τ."})
+    exit_threshold: float = field(
+        default=0.5, metadata={"help": "tah2: τ_exit, stop at the first depth whose continue prob < τ."}
+    )
     decider_top_k: int = field(default=10, metadata={"help": "tah2: top-K next-token probabilities the decider reads."})
-    train_decisions: str = field(default="threshold", metadata={"help": "tah2: 'threshold' (on-policy) or 'sample' (ablation)."})
-    mixture_output: bool = field(default=True, metadata={"help": "tah2: mixture of per-depth outputs; false = final depth only (ablation)."})
+    train_decisions: str = field(
+        default="threshold", metadata={"help": "tah2: 'threshold' (on-policy) or 'sample' (ablation)."}
+    )
+    mixture_output: bool = field(
+        default=True, metadata={"help": "tah2: mixture of per-depth outputs; false = final depth only (ablation)."}
+    )
     halt_threshold: float = field(
-        default=0.5, metadata={"help": "anira-o inference: stop once the cumulative halting mass reaches it (0.5 = median)."}
+        default=0.5,
+        metadata={"help": "anira-o inference: stop once the cumulative halting mass reaches it (0.5 = median)."},
     )
     gumbel_tau: float = field(default=1.0, metadata={"help": "anira-e training: Gumbel-softmax temperature."})
     updater_hidden: int | None = field(default=None, metadata={"help": "Updater MLP width; None = hidden size."})
@@ -77,24 +98,39 @@ class LoopArgs:
     )
     freeze_prelude: bool = field(
         default=False,
-        metadata={"help": "Freeze the embeddings (and a tied LM head) and the prelude layers: no backward through them. "
-                  "Controls freeze the same parameters."},
+        metadata={
+            "help": "Freeze the embeddings (and a tied LM head) and the prelude layers: no backward through them. "
+            "Controls freeze the same parameters."
+        },
     )
-    lora: bool = field(default=False, metadata={"help": "Train LoRA adapters on the backbone; updater and decider train fully."})
+    lora: bool = field(
+        default=False, metadata={"help": "Train LoRA adapters on the backbone; updater and decider train fully."}
+    )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_targets: str | None = field(default=None, metadata={"help": "Comma-separated module names; default: attention + MLP projections."})
+    lora_targets: str | None = field(
+        default=None, metadata={"help": "Comma-separated module names; default: attention + MLP projections."}
+    )
 
     def loop_config(self, fixed_graph: bool = False, **override) -> LoopConfig:
         """The ``LoopConfig`` these arguments describe (``override`` replaces fields, e.g. for a control)."""
         fields = dict(
-            prelude=self.prelude, core=self.core, max_depth=self.max_depth, method=self.method,
-            attention=self.attention, exit_threshold=self.exit_threshold,
-            decider_top_k=self.decider_top_k, train_decisions=self.train_decisions,
-            mixture_output=self.mixture_output, halt_threshold=self.halt_threshold, gumbel_tau=self.gumbel_tau,
-            updater_hidden=self.updater_hidden, decider_hidden=self.decider_hidden,
-            deep_init_logit=self.deep_init_logit, fixed_graph=fixed_graph,
+            prelude=self.prelude,
+            core=self.core,
+            max_depth=self.max_depth,
+            method=self.method,
+            attention=self.attention,
+            exit_threshold=self.exit_threshold,
+            decider_top_k=self.decider_top_k,
+            train_decisions=self.train_decisions,
+            mixture_output=self.mixture_output,
+            halt_threshold=self.halt_threshold,
+            gumbel_tau=self.gumbel_tau,
+            updater_hidden=self.updater_hidden,
+            decider_hidden=self.decider_hidden,
+            deep_init_logit=self.deep_init_logit,
+            fixed_graph=fixed_graph,
         )
         fields.update(override)
         return LoopConfig(**fields)
@@ -104,40 +140,70 @@ class LoopArgs:
 class ScriptArgs:
     """Data, controls and the report (the recipe's ``ScriptArguments``)."""
 
-    task: str = field(default="mano", metadata={"help": "data_prep task (mano, brevo, lano, gsm, clrs_*, rg_*; `python -m data_prep.build --list`)."})
+    task: str = field(
+        default="mano",
+        metadata={"help": "data_prep task (mano, brevo, lano, gsm, clrs_*, rg_*; `python -m data_prep.build --list`)."},
+    )
     n_train: int = field(default=1000, metadata={"help": "Training rows per difficulty level."})
-    n_eval: int = field(default=20, metadata={"help": "Test rows per level (held out from training; the report's rows). 0 = none."})
+    n_eval: int = field(
+        default=20, metadata={"help": "Test rows per level (held out from training; the report's rows). 0 = none."}
+    )
     n_valid: int = field(
-        default=0, metadata={"help": "Validation rows per level, disjoint from train and test (for choosing settings). 0 = none."}
+        default=0,
+        metadata={"help": "Validation rows per level, disjoint from train and test (for choosing settings). 0 = none."},
     )
     task_seed: int = field(default=0, metadata={"help": "Seed of the task generator."})
-    train_levels: str | None = field(default=None, metadata={"help": "Comma-separated difficulty levels to train on; default: the task's own."})
-    extrap_levels: str | None = field(default=None, metadata={"help": "Comma-separated held-out levels above training (in the report)."})
+    train_levels: str | None = field(
+        default=None, metadata={"help": "Comma-separated difficulty levels to train on; default: the task's own."}
+    )
+    extrap_levels: str | None = field(
+        default=None, metadata={"help": "Comma-separated held-out levels above training (in the report)."}
+    )
     interp_levels: str | None = field(
         default=None,
-        metadata={"help": "Comma-separated held-out levels inside the training range; default: the task's own, or none "
-                  "when --train_levels is given."},
+        metadata={
+            "help": "Comma-separated held-out levels inside the training range; default: the task's own, or none "
+            "when --train_levels is given."
+        },
     )
     data_file: str | None = field(
-        default=None, metadata={"help": "Train on rows from this .jsonl/.json/.parquet file or save_to_disk folder instead of --task."}
+        default=None,
+        metadata={
+            "help": "Train on rows from this .jsonl/.json/.parquet file or save_to_disk folder instead of --task."
+        },
     )
     eval_file: str | None = field(default=None, metadata={"help": "Evaluation rows for --data_file."})
-    chat: str = field(default="auto", metadata={"help": "Format rows as chat turns: auto (if the tokenizer has a template), true, false."})
-    resume: bool = field(default=False, metadata={"help": "Continue from the newest valid checkpoint-N in --output_dir."})
+    chat: str = field(
+        default="auto",
+        metadata={"help": "Format rows as chat turns: auto (if the tokenizer has a template), true, false."},
+    )
+    resume: bool = field(
+        default=False, metadata={"help": "Continue from the newest valid checkpoint-N in --output_dir."}
+    )
     control: str | None = field(
         default=None,
-        metadata={"help": "Comma-separated control arms trained in the same run on the same data, order, steps, learning "
-                  "rate and seed: 'sft' (the base as a plain causal LM) and/or 'fixed' (the looped model at max depth for "
-                  "every token). Saved under control-<name>/ and compared in the report."},
+        metadata={
+            "help": "Comma-separated control arms trained in the same run on the same data, order, steps, learning "
+            "rate and seed: 'sft' (the base as a plain causal LM) and/or 'fixed' (the looped model at max depth for "
+            "every token). Saved under control-<name>/ and compared in the report."
+        },
     )
     report: bool = field(
         default=False,
-        metadata={"help": "After training (with --task): evaluate the untrained base, the looped model and the controls per "
-                  "difficulty level on the test rows, export the looped checkpoint, write report/ and summary.json."},
+        metadata={
+            "help": "After training (with --task): evaluate the untrained base, the looped model and the controls per "
+            "difficulty level on the test rows, export the looped checkpoint, write report/ and summary.json."
+        },
     )
-    eval_levels: str | None = field(default=None, metadata={"help": "Comma-separated levels to report; default: every test level."})
-    eval_n: int | None = field(default=None, metadata={"help": "Test rows per level in the report; default: all of --n_eval."})
-    identity_check: bool = field(default=True, metadata={"help": "Check that depth-1 logits equal the base model's before training."})
+    eval_levels: str | None = field(
+        default=None, metadata={"help": "Comma-separated levels to report; default: every test level."}
+    )
+    eval_n: int | None = field(
+        default=None, metadata={"help": "Test rows per level in the report; default: all of --n_eval."}
+    )
+    identity_check: bool = field(
+        default=True, metadata={"help": "Check that depth-1 logits equal the base model's before training."}
+    )
 
     def controls(self) -> list[str]:
         names = [c.strip() for c in (self.control or "").split(",") if c.strip()]
@@ -192,8 +258,12 @@ def task_splits(args: ScriptArgs):
     from data_prep.tasks import build_splits
 
     return build_splits(
-        args.task, n_train=args.n_train, n_eval=max(args.n_eval, 1), seed=args.task_seed,
-        train_levels=parse_levels(args.train_levels), extrap_levels=parse_levels(args.extrap_levels),
+        args.task,
+        n_train=args.n_train,
+        n_eval=max(args.n_eval, 1),
+        seed=args.task_seed,
+        train_levels=parse_levels(args.train_levels),
+        extrap_levels=parse_levels(args.extrap_levels),
         interp_levels=parse_levels(args.interp_levels) if args.interp_levels else ([] if args.train_levels else None),
         n_valid=args.n_valid,
     )
@@ -264,8 +334,9 @@ def prepare_model(model, loop_args: LoopArgs):
         logger.info("frozen embeddings + %d prelude layers; %.1fM parameters train", len(model.prelude_layers), n / 1e6)
     if loop_args.lora:
         targets = loop_args.lora_targets.split(",") if loop_args.lora_targets else None
-        model = apply_lora(model, r=loop_args.lora_r, alpha=loop_args.lora_alpha, dropout=loop_args.lora_dropout,
-                           targets=targets)
+        model = apply_lora(
+            model, r=loop_args.lora_r, alpha=loop_args.lora_alpha, dropout=loop_args.lora_dropout, targets=targets
+        )
     return model
 
 
@@ -320,7 +391,9 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
     logging.basicConfig(level=logging.INFO if targs.should_log else logging.WARNING)
     controls = script.controls()
     if (controls or script.report) and zero3_enabled(targs):
-        raise RetrofitUserError("--control and --report run on one process; drop them under ZeRO-3 and evaluate the saved checkpoints")
+        raise RetrofitUserError(
+            "--control and --report run on one process; drop them under ZeRO-3 and evaluate the saved checkpoints"
+        )
     set_seed(targs.seed)
 
     # 1. The looped model. Under ZeRO-3 the loop always unrolls max_depth iterations: DeepSpeed's
@@ -344,7 +417,9 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
     out = Path(targs.output_dir)
     t_train = time.time()
     try:
-        trainer, looped = train_and_save(model, tokenizer, targs, train, evals, resume=script.resume, lora=largs.lora, out=out)
+        trainer, looped = train_and_save(
+            model, tokenizer, targs, train, evals, resume=script.resume, lora=largs.lora, out=out
+        )
     except NonFiniteLossError as err:
         logger.error("%s", err)
         return 1
@@ -374,8 +449,19 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
         else:
             from .main_job import main_job_report
 
-            main_job_report(looped, tokenizer, pristine, trained_controls, out, script, largs, identity_err, t_start,
-                            timings, trainer)
+            main_job_report(
+                looped,
+                tokenizer,
+                pristine,
+                trained_controls,
+                out,
+                script,
+                largs,
+                identity_err,
+                t_start,
+                timings,
+                trainer,
+            )
     return 0
 
 

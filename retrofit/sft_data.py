@@ -76,7 +76,10 @@ def format_sft_dataset(
     if report["kept"] < n:
         logger.warning(
             "skipped %d of %d rows: %d with an empty completion, %d malformed (prompt/completion not strings)",
-            n - report["kept"], n, report["empty_completion"], report["malformed"],
+            n - report["kept"],
+            n,
+            report["empty_completion"],
+            report["malformed"],
         )
         keep = [i for i, k in enumerate(kinds) if k == "ok"]
         dataset = dataset.select(keep)
@@ -132,7 +135,12 @@ def drop_bad_rows(dataset, max_length: int | None, name: str):
     if len(keep) < n:
         logger.warning(
             "%s: skipped %d of %d rows: %d longer than max_length=%s tokens, %d without a trainable token",
-            name, n - len(keep), n, report["too_long"], max_length, report["no_trainable_token"],
+            name,
+            n - len(keep),
+            n,
+            report["too_long"],
+            max_length,
+            report["no_trainable_token"],
         )
     if not keep:
         raise BadDataError(

@@ -19,7 +19,8 @@ CHARS = list(string.printable)
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
     "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endif %}"
@@ -30,7 +31,7 @@ CHAT_TEMPLATE = (
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer (``vocab_size`` = 4 specials + 100 printable characters)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

@@ -100,7 +100,8 @@ class RetrofitSFTConfig(SFTConfig):
     # loss weights: None = the model's LoopConfig value (defaults in brackets)
     alpha_d: float | None = field(default=None, metadata={"help": "TaH2: weight α_D of the decider loss [0.05]."})
     rho: float | None = field(
-        default=None, metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels [0.99]; 1.0 = every positive gain."}
+        default=None,
+        metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels [0.99]; 1.0 = every positive gain."},
     )
     decider_weighting: str | None = field(
         default=None, metadata={"help": "TaH2: BCE weights, 'distance' = |δ - κ| [default] or 'uniform' (ablation)."}
@@ -122,16 +123,19 @@ class RetrofitSFTConfig(SFTConfig):
         metadata={"help": "Backprop through the last k core iterations only (Huginn: 8); None = all iterations."},
     )
     atomic_checkpoints: bool = field(
-        default=True, metadata={"help": "Stage each checkpoint in a hidden folder and rename it into place when complete."}
+        default=True,
+        metadata={"help": "Stage each checkpoint in a hidden folder and rename it into place when complete."},
     )
     depth_histogram: bool = field(
         default=True, metadata={"help": "Write a TensorBoard histogram of exit depths at every logging step."}
     )
     heads_lr_scale: float = field(
         default=1.0,
-        metadata={"help": "Learning rate of the new heads (updater, decider) = learning_rate × this. The heads "
-                  "start from scratch while the backbone is pretrained; on short runs a larger scale (10-30) "
-                  "lets the decider move off its deep initialization."},
+        metadata={
+            "help": "Learning rate of the new heads (updater, decider) = learning_rate × this. The heads "
+            "start from scratch while the backbone is pretrained; on short runs a larger scale (10-30) "
+            "lets the decider move off its deep initialization."
+        },
     )
 
     def __post_init__(self):
@@ -166,9 +170,7 @@ def _unwrap_looped(model) -> LoopedForCausalLM:
 
     inner = model.get_base_model() if isinstance(model, PeftModel) else model
     if not isinstance(inner, LoopedForCausalLM):
-        raise TypeError(
-            f"RetrofitSFTTrainer trains looped models (retrofit.convert(...)); got {type(inner).__name__}"
-        )
+        raise TypeError(f"RetrofitSFTTrainer trains looped models (retrofit.convert(...)); got {type(inner).__name__}")
     return inner
 
 
@@ -358,15 +360,18 @@ class RetrofitSFTTrainer(SFTTrainer):
             parts = "finite here; another process saw a non-finite value"
         weights = self._nonfinite_state(optimizer=False)
         if weights:
-            cause = (f"The {' and '.join(weights)} are already non-finite: the update of step {step - 1} diverged, "
-                     "and training stopped before applying another.")
+            cause = (
+                f"The {' and '.join(weights)} are already non-finite: the update of step {step - 1} diverged, "
+                "and training stopped before applying another."
+            )
         else:
             cause = "Training stopped before the optimizer step, so no bad update was applied."
         good = last_finite_checkpoint(self.args.output_dir)
         raise NonFiniteLossError(
             f"non-finite training loss at step {step} (epoch {self.state.epoch or 0:.3f}; {parts} on this "
             f"process). {cause} Last checkpoint with finite weights: {good or 'none saved yet'}. Try a lower "
-            f"learning rate, gradient clipping (--max_grad_norm), fp32 instead of fp16, or check the data near this step."
+            "learning rate, gradient clipping (--max_grad_norm), fp32 instead of fp16, or check the data near "
+            "this step."
         )
 
     @torch.no_grad()
@@ -432,7 +437,8 @@ class RetrofitSFTTrainer(SFTTrainer):
             rel = relation(self.args.output_dir, source)
             if rel is not None:
                 raise OutputTargetError(
-                    f"--output_dir {os.path.abspath(self.args.output_dir)} {rel} the model folder {os.path.abspath(source)} "
+                    f"--output_dir {os.path.abspath(self.args.output_dir)} {rel} the model folder "
+                    f"{os.path.abspath(source)} "
                     "this run starts from; the run writes checkpoint-N/ and final/ there and deletes old checkpoints. "
                     "Choose another --output_dir"
                 )
@@ -464,9 +470,7 @@ class RetrofitSFTTrainer(SFTTrainer):
         correct = ((logits.argmax(-1) == shift) & ans).sum().float()
         n_ans = ans.sum().float()
         # the next-token loss is this micro-batch's NLL sum over num_items_in_batch (or its own count)
-        ntp_sum = ntp.detach().float() * (
-            num_items_in_batch if num_items_in_batch is not None else n_ans.clamp_min(1)
-        )
+        ntp_sum = ntp.detach().float() * (num_items_in_batch if num_items_in_batch is not None else n_ans.clamp_min(1))
         aux_names = sorted(aux.metrics) if aux is not None else []
         aux_vals = [aux.metrics[k].float().reshape(()) for k in aux_names]
         dev = counts.device
@@ -521,7 +525,11 @@ class RetrofitSFTTrainer(SFTTrainer):
         from transformers.integrations import TensorBoardCallback
 
         writer = next(
-            (cb.tb_writer for cb in self.callback_handler.callbacks if isinstance(cb, TensorBoardCallback) and cb.tb_writer),
+            (
+                cb.tb_writer
+                for cb in self.callback_handler.callbacks
+                if isinstance(cb, TensorBoardCallback) and cb.tb_writer
+            ),
             None,
         )
         if writer is None or counts.sum() <= 0:

@@ -48,8 +48,9 @@ class LoopedFusedLMOutput(ModelOutput):
     aux_loss: torch.Tensor | None = None
 
 
-def fused_outputs_from_logits(logits, labels, shift_labels=None, temperature=1.0, num_items_in_batch=None,
-                              outputs=("log_probs",)):
+def fused_outputs_from_logits(
+    logits, labels, shift_labels=None, temperature=1.0, num_items_in_batch=None, outputs=("log_probs",)
+):
     """TRL's ``FusedCausalLMOutput`` from full logits ``[B, T, V]`` (TaH2: the mixture logits).
 
     ``labels`` ``[B, T]`` are unshifted (position t is scored on label t+1; -100 ignored), or
@@ -75,20 +76,38 @@ def fused_outputs_from_logits(logits, labels, shift_labels=None, temperature=1.0
     if "is_top1" in outputs:
         is_top1 = (z.detach().argmax(-1) == tgt) & mask
     n = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    return LoopedFusedLMOutput(loss=-log_probs.sum() / n, log_probs=log_probs, entropy=entropy,
-                               log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits, is_top1=is_top1,
-                               label_mask=mask)
+    return LoopedFusedLMOutput(
+        loss=-log_probs.sum() / n,
+        log_probs=log_probs,
+        entropy=entropy,
+        log_sum_sq_probs=log_sum_sq,
+        mean_logits=mean_logits,
+        is_top1=is_top1,
+        label_mask=mask,
+    )
 
 
 def looped_fused_forward(original, temperature: float = 1.0, outputs=("log_probs",)):
     """A ``forward`` that serves ``fused_lm_head=True`` from ``original`` (the looped forward)."""
 
     @functools.wraps(original)  # generate() validates its kwargs against the signature
-    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                output_router_logits=None, **kwargs):
+    def forward(
+        self,
+        *args,
+        fused_lm_head=False,
+        labels=None,
+        shift_labels=None,
+        num_items_in_batch=None,
+        output_router_logits=None,
+        **kwargs,
+    ):
         if not fused_lm_head:
-            extra = (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch),
-                     ("output_router_logits", output_router_logits))
+            extra = (
+                ("labels", labels),
+                ("shift_labels", shift_labels),
+                ("num_items_in_batch", num_items_in_batch),
+                ("output_router_logits", output_router_logits),
+            )
             kwargs.update({k: v for k, v in extra if v is not None})
             return original(self, *args, **kwargs)
         kwargs["use_cache"] = False
@@ -101,8 +120,9 @@ def looped_fused_forward(original, temperature: float = 1.0, outputs=("log_probs
         else:
             out = original(self, *args, **kwargs)  # no labels: no loss computed here
         fused = fused_outputs_from_logits(out.logits, labels, shift_labels, temperature, num_items_in_batch, outputs)
-        fused.aux_loss = out.aux_loss if out.aux_loss is not None else (
-            out.logits.new_zeros(()) if output_router_logits else None)
+        fused.aux_loss = (
+            out.aux_loss if out.aux_loss is not None else (out.logits.new_zeros(()) if output_router_logits else None)
+        )
         return fused
 
     return forward
@@ -113,6 +133,7 @@ def intercept(model, value):
     if not is_trl_fused_forward(value):
         return value
     nonlocals = inspect.getclosurevars(value.__func__).nonlocals
-    fwd = looped_fused_forward(type(model).forward, nonlocals.get("temperature", 1.0),
-                               tuple(nonlocals.get("outputs", ("log_probs",))))
+    fwd = looped_fused_forward(
+        type(model).forward, nonlocals.get("temperature", 1.0), tuple(nonlocals.get("outputs", ("log_probs",)))
+    )
     return types.MethodType(fwd, model)

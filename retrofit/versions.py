@@ -104,8 +104,9 @@ def find_problems(versions: dict[str, str | None] | None = None, packages=None) 
     return problems
 
 
-def check_versions(action: str = "raise", versions: dict[str, str | None] | None = None,
-                   packages=None) -> list[VersionProblem]:
+def check_versions(
+    action: str = "raise", versions: dict[str, str | None] | None = None, packages=None
+) -> list[VersionProblem]:
     """Fail early on an untested version of transformers, TRL or PEFT.
 
     Args:

@@ -86,8 +86,16 @@ def base_model():
 def splits_for(c: Cfg):
     """Training rows and the validation rows (disjoint from train and from up to 100 test rows per level,
     so the main job's ``--n_eval`` <= 100 test rows were never scored here)."""
-    sp = build_splits(c.task, n_train=c.n_train, n_eval=100, seed=c.seed, train_levels=list(c.train_levels),
-                      extrap_levels=list(c.extrap_levels), interp_levels=[], n_valid=c.n_valid)
+    sp = build_splits(
+        c.task,
+        n_train=c.n_train,
+        n_eval=100,
+        seed=c.seed,
+        train_levels=list(c.train_levels),
+        extrap_levels=list(c.extrap_levels),
+        interp_levels=[],
+        n_valid=c.n_valid,
+    )
     return sp["train"], sp["valid"].select_columns(["prompt", "answer", "difficulty"])
 
 
@@ -102,11 +110,27 @@ def freeze(model, n_prelude: int):
 
 def targs(c: Cfg, out: str) -> RetrofitSFTConfig:
     return RetrofitSFTConfig(
-        output_dir=out, max_steps=c.steps, per_device_train_batch_size=c.batch, learning_rate=c.lr,
-        heads_lr_scale=c.heads_lr_scale, lr_scheduler_type="cosine", warmup_steps=0.05, weight_decay=0.0,
-        max_grad_norm=1.0, seed=c.seed, logging_steps=20, save_strategy="no", report_to="none",
-        max_length=c.max_length, alpha_d=c.alpha_d, rho=c.rho, train_sampling_strategy="sequential",
-        activation_checkpointing=False, use_cpu=True, disable_tqdm=True, depth_histogram=False,
+        output_dir=out,
+        max_steps=c.steps,
+        per_device_train_batch_size=c.batch,
+        learning_rate=c.lr,
+        heads_lr_scale=c.heads_lr_scale,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.05,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        seed=c.seed,
+        logging_steps=20,
+        save_strategy="no",
+        report_to="none",
+        max_length=c.max_length,
+        alpha_d=c.alpha_d,
+        rho=c.rho,
+        train_sampling_strategy="sequential",
+        activation_checkpointing=False,
+        use_cpu=True,
+        disable_tqdm=True,
+        depth_histogram=False,
     )
 
 
@@ -118,11 +142,24 @@ def train_arm(c: Cfg, arm: str, train):
     if arm == "sft":
         loop = LoopConfig(prelude=0, core=None, max_depth=1, method="fixed")
     elif arm == "fixed":
-        loop = LoopConfig(prelude=c.prelude, core=c.core, max_depth=c.max_depth, method="fixed",
-                          attention=c.attention, updater_hidden=c.updater_hidden)
+        loop = LoopConfig(
+            prelude=c.prelude,
+            core=c.core,
+            max_depth=c.max_depth,
+            method="fixed",
+            attention=c.attention,
+            updater_hidden=c.updater_hidden,
+        )
     else:
-        loop = LoopConfig(prelude=c.prelude, core=c.core, max_depth=c.max_depth, method=c.method,
-                          attention=c.attention, deep_init_logit=c.deep_init_logit, updater_hidden=c.updater_hidden)
+        loop = LoopConfig(
+            prelude=c.prelude,
+            core=c.core,
+            max_depth=c.max_depth,
+            method=c.method,
+            attention=c.attention,
+            deep_init_logit=c.deep_init_logit,
+            updater_hidden=c.updater_hidden,
+        )
     model = convert(base, loop)
     if arm != "sft" and c.updater_base == "state":
         import types
@@ -157,8 +194,12 @@ def train_arm(c: Cfg, arm: str, train):
     t0 = time.time()
     trainer.train()
     hist = [h for h in trainer.state.log_history if "loss" in h]
-    info = {"train_s": round(time.time() - t0, 1), "final_loss": hist[-1]["loss"] if hist else None,
-            "mean_depth_answer_last": hist[-1].get("mean_depth_answer") if hist else None, **info0}
+    info = {
+        "train_s": round(time.time() - t0, 1),
+        "final_loss": hist[-1]["loss"] if hist else None,
+        "mean_depth_answer_last": hist[-1].get("mean_depth_answer") if hist else None,
+        **info0,
+    }
     if c.lora:
         model = model.merge_and_unload()
     model.eval()
@@ -234,9 +275,30 @@ def run(c: Cfg) -> dict:
     for arm in c.arms:
         key = None
         if arm == "sft":
-            key = json.dumps({k: v for k, v in asdict(c).items() if k in (
-                "task", "train_levels", "extrap_levels", "n_train", "n_valid", "steps", "batch", "lr", "seed",
-                "freeze_prelude", "prelude", "max_length", "lora", "lora_r")}, sort_keys=True)
+            key = json.dumps(
+                {
+                    k: v
+                    for k, v in asdict(c).items()
+                    if k
+                    in (
+                        "task",
+                        "train_levels",
+                        "extrap_levels",
+                        "n_train",
+                        "n_valid",
+                        "steps",
+                        "batch",
+                        "lr",
+                        "seed",
+                        "freeze_prelude",
+                        "prelude",
+                        "max_length",
+                        "lora",
+                        "lora_r",
+                    )
+                },
+                sort_keys=True,
+            )
             if not c.freeze_prelude:
                 key += "-nofreeze"
         if key is not None and key in _CONTROL_CACHE:

@@ -22,11 +22,19 @@ def model_for(split="middle", attention="duo-causal", method="fixed", family="ll
 def fill(model, ids=IDS, depths=DEPTHS, attention_mask=None, prefill=3):
     cache = DepthKVCache(model.config)
     with torch.no_grad():
-        model(ids[:, :prefill], depth=depths[:, :prefill], cache=cache,
-              attention_mask=None if attention_mask is None else attention_mask[:, :prefill])
+        model(
+            ids[:, :prefill],
+            depth=depths[:, :prefill],
+            cache=cache,
+            attention_mask=None if attention_mask is None else attention_mask[:, :prefill],
+        )
         for t in range(prefill, ids.shape[1]):
-            model(ids[:, t : t + 1], depth=depths[:, t : t + 1], cache=cache,
-                  attention_mask=None if attention_mask is None else attention_mask[:, : t + 1])
+            model(
+                ids[:, t : t + 1],
+                depth=depths[:, t : t + 1],
+                cache=cache,
+                attention_mask=None if attention_mask is None else attention_mask[:, : t + 1],
+            )
     return cache
 
 

@@ -23,8 +23,26 @@ def base_logits(family="llama", **kw):
 
 def test_convert_tiny_llama(tmp_path):
     out = tmp_path / "looped"
-    assert main(["convert", "--model", "tiny-llama", "--prelude", "1", "--core", "3", "--max-depth", "3",
-                 "--method", "tah2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--model",
+                "tiny-llama",
+                "--prelude",
+                "1",
+                "--core",
+                "3",
+                "--max-depth",
+                "3",
+                "--method",
+                "tah2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert isinstance(model, retrofit.LoopedLlamaForCausalLM)
     loop = model.config.loop_config
@@ -45,9 +63,32 @@ def test_convert_folder_records_provenance_and_feeds_export(tmp_path):
     char_tokenizer().save_pretrained(base_dir)
     (base_dir / "README.md").write_text("---\nlicense: mit\ntags: [x]\n---\n# a base model\n")
     out = tmp_path / "looped"
-    assert main(["convert", "--model", str(base_dir), "--prelude", "2", "--core", "2", "--max-depth", "2",
-                 "--method", "anira-o", "--attention", "duo-causal", "--updater-hidden", "16",
-                 "--base-model", "acme/tiny-qwen3", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--model",
+                str(base_dir),
+                "--prelude",
+                "2",
+                "--core",
+                "2",
+                "--max-depth",
+                "2",
+                "--method",
+                "anira-o",
+                "--attention",
+                "duo-causal",
+                "--updater-hidden",
+                "16",
+                "--base-model",
+                "acme/tiny-qwen3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["retrofit_base_model"] == "acme/tiny-qwen3" and cfg["retrofit_base_license"] == "mit"
     assert cfg["loop"]["attention"] == "duo-causal" and cfg["loop"]["updater_hidden"] == 16
@@ -129,8 +170,26 @@ def test_gguf_provenance_of_the_embedded_smollm2():
 def test_convert_smollm2_gguf(tmp_path):
     """The real SmolLM2-135M (GGUF, ~30 s): identity at init on a real model, provenance recorded."""
     out = tmp_path / "looped"
-    assert main(["convert", "--model", "smollm2", "--prelude", "4", "--core", "8", "--max-depth", "2",
-                 "--method", "tah2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--model",
+                "smollm2",
+                "--prelude",
+                "4",
+                "--core",
+                "8",
+                "--max-depth",
+                "2",
+                "--method",
+                "tah2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["retrofit_base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert cfg["retrofit_base_license"] == "apache-2.0"

@@ -39,8 +39,21 @@ def test_streams_the_answer_and_matches_generate(checkpoint, capsys):
 def test_show_depths_and_html(checkpoint, capsys, tmp_path):
     folder, model = checkpoint
     out = tmp_path / "view" / "depths.html"
-    rc = main(["generate", "--model", str(folder), "--prompt", "hello", "--max-new-tokens", "10", "--chat",
-               "--show-depths", "--html", str(out)])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(folder),
+            "--prompt",
+            "hello",
+            "--max-new-tokens",
+            "10",
+            "--chat",
+            "--show-depths",
+            "--html",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     m = re.search(r"mean depth d̄ = ([0-9.]+) over (\d+) tokens \(max depth D = 3\)", printed)
@@ -56,8 +69,15 @@ def test_show_depths_and_html(checkpoint, capsys, tmp_path):
     assert html.count('class="tok d') == d.numel()
 
 
-@pytest.mark.parametrize("args", [["--depth", "2"], ["--exit", "kl", "--threshold", "0.05"],
-                                  ["--exit", "state", "--threshold", "0.2", "--taps"], ["--sample", "--seed", "1"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--depth", "2"],
+        ["--exit", "kl", "--threshold", "0.05"],
+        ["--exit", "state", "--threshold", "0.2", "--taps"],
+        ["--sample", "--seed", "1"],
+    ],
+)
 def test_exit_options(checkpoint, capsys, args):
     folder, _ = checkpoint
     rc = main(["generate", "--model", str(folder), "--prompt", "ab", "--max-new-tokens", "4", "--show-depths", *args])
@@ -67,11 +87,14 @@ def test_exit_options(checkpoint, capsys, args):
         assert "mean depth d̄ = 2.00" in printed
 
 
-@pytest.mark.parametrize("args,msg", [
-    (["--exit", "kl"], "needs --threshold"),
-    (["--threshold", "0.1"], "applies to --exit kl"),
-    (["--depth", "7"], "must lie in 1..3"),
-])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--exit", "kl"], "needs --threshold"),
+        (["--threshold", "0.1"], "applies to --exit kl"),
+        (["--depth", "7"], "must lie in 1..3"),
+    ],
+)
 def test_bad_options(checkpoint, capsys, args, msg):
     folder, _ = checkpoint
     assert main(["generate", "--model", str(folder), "--prompt", "ab", *args]) == 2
@@ -95,8 +118,10 @@ def test_bench_runs_the_decode_benchmark(tmp_path, capsys):
     import json
 
     out = tmp_path / "bench.json"
-    tiny = ("--layers 2 --batch 2 --new-tokens 3 --repeats 1 --large-batch 0 --vocab 200 --hidden 64 "
-            "--intermediate 128 --heads 4 --kv-heads 2 --prompt 3")
+    tiny = (
+        "--layers 2 --batch 2 --new-tokens 3 --repeats 1 --large-batch 0 --vocab 200 --hidden 64 "
+        "--intermediate 128 --heads 4 --kv-heads 2 --prompt 3"
+    )
     assert main(["bench", "--out", str(out), "--args", tiny]) == 0
     r = json.loads(out.read_text())
     assert {"fixed_depth", "mixed_depth", "depth1_vs_base"} <= set(r["decode"])

@@ -43,9 +43,19 @@ def _rows(n=24):
 
 def _args(out, **kw):
     return RetrofitSFTConfig(
-        output_dir=str(out), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3, report_to="none",
-        logging_steps=1, save_strategy="no", max_length=32, disable_tqdm=True, dataloader_num_workers=0,
-        use_cpu=True, seed=7, **kw,
+        output_dir=str(out),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        max_length=32,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        use_cpu=True,
+        seed=7,
+        **kw,
     )
 
 

@@ -586,9 +586,8 @@ def test_evaluate_several_models_token_difficulty_vs_bruteforce(looped, tok):
     """compare=[(name, model, tok), ...]: paired comparisons against each, and the per-token analysis
     equals one recomputed token by token (looped depth at the producing position vs the reference's
     unbatched teacher-forced loss)."""
-    from retrofit.testing import tiny_base
-
     from retrofit.evaluation.token_difficulty import depth_vs_token_difficulty
+    from retrofit.testing import tiny_base
 
     rows = R.task_rows("mano", [2, 4], n=3, seed=5)
     sft, base = tiny_base("llama", seed=1), tiny_base("llama", seed=2)
@@ -826,7 +825,6 @@ def _gen(tok, text, stop="\n"):
 def test_generated_examples_keep_the_valid_prefix(tok):
     from data_prep import brevo, lano
     from data_prep.tasks import build_dataset
-
     from retrofit.evaluation.decoding import stop_rule
     from retrofit.evaluation.structure import generated_examples
 
@@ -875,10 +873,9 @@ def tiny_base_for_stop():
 def test_lano_spearman_on_generated_strings_vs_bruteforce(tok, monkeypatch):
     """The default LANO analysis: the model's own (here scripted) strings, their valid prefix, E[d] at
     each word's own position ("input"), pooled Spearman — recomputed by hand, unbatched."""
+    import retrofit.evaluation.task_eval as TE
     from data_prep import lano
     from data_prep.tasks import build_dataset
-
-    import retrofit.evaluation.task_eval as TE
 
     looped = _looped(seed=4)  # its expected depths vary on these rows
 

@@ -103,9 +103,7 @@ def test_regression_with_control_recovers_coefficients_with_group_offsets():
     assert out["group_effects"][20] == pytest.approx(4.0, abs=1e-2)
     assert out["group_effects"][30] == pytest.approx(-2.5, abs=1e-2)
     assert out["r2"] > 0.99
-    assert out["r2_controls"] < out["r2"] and out["r2_gain"] == pytest.approx(
-        out["r2"] - out["r2_controls"]
-    )
+    assert out["r2_controls"] < out["r2"] and out["r2_gain"] == pytest.approx(out["r2"] - out["r2_controls"])
     # Without the control the slope of a is biased by the group offsets.
     naive = linear_regression(np.column_stack([a, b]), y, ["a", "b"])
     assert abs(naive["coefficients"]["a"] - 2) > 0.1
@@ -122,9 +120,7 @@ def test_loss_change_stats_known_shares():
     #         -1, -0.3, -0.01, -2 (improved x4), 7 (masked out)
     delta = np.array([0.0, 5e-4, -5e-4, 0.5, 0.2, -1.0, -0.3, -0.01, -2.0, 7.0])
     mask = np.array([True] * 9 + [False])
-    s = loss_change_stats(
-        torch.tensor(first), torch.tensor(first + delta), tol=1e-3, mask=torch.tensor(mask)
-    )
+    s = loss_change_stats(torch.tensor(first), torch.tensor(first + delta), tol=1e-3, mask=torch.tensor(mask))
     assert s["n"] == 9
     assert s["share_unchanged"] == pytest.approx(3 / 9)
     assert s["share_worse"] == pytest.approx(2 / 9)
@@ -203,11 +199,7 @@ def test_accuracy_by_level_and_expected_depth():
     assert out[2]["mean_depth"] == pytest.approx(1.5)
     assert out[2]["mean_depth_se"] == pytest.approx(np.std([1.0, 2.0], ddof=1) / math.sqrt(2))
     assert out[1]["accuracy"] == 1.0 and out[1]["accuracy_se"] == 0.0
-    assert (
-        out[1]["mean_depth"] == 1.5
-        and out[1]["n_depth"] == 1
-        and math.isnan(out[1]["mean_depth_se"])
-    )
+    assert out[1]["mean_depth"] == 1.5 and out[1]["n_depth"] == 1 and math.isnan(out[1]["mean_depth_se"])
 
     q = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], requires_grad=True)
     e = expected_depth(q)
@@ -240,13 +232,9 @@ def test_plots_write_pngs(tmp_path):
     depth = {"tah2": {4: 1.2, 8: 1.6, 16: 2.4}, "anira-o": {"4": 1.1, "8": 1.9, "16": float("nan")}}
     acc = {"base": {4: 0.9, 8: 0.6, 16: 0.2}, "tah2": {4: 0.95, 8: 0.8, 16: 0.3}}
     _assert_png(plot_depth_vs_difficulty(depth, tmp_path / "depth.png", max_depth=3))
+    _assert_png(plot_accuracy_vs_difficulty(acc, tmp_path / "sub" / "acc.png", train_levels=(4, "8")))
     _assert_png(
-        plot_accuracy_vs_difficulty(acc, tmp_path / "sub" / "acc.png", train_levels=(4, "8"))
-    )
-    _assert_png(
-        plot_accuracy_vs_difficulty(
-            {"m": {"MAIN": 0.8, "P1": 0.6, "P2": 0.4}}, tmp_path / "gsm.png", ("MAIN",)
-        )
+        plot_accuracy_vs_difficulty({"m": {"MAIN": 0.8, "P1": 0.6, "P2": 0.4}}, tmp_path / "gsm.png", ("MAIN",))
     )
     pts = {
         "tah2": [(1, 0.5, 1), (2, 0.6, "d=2"), (3, 0.62, "depth 3"), (1.4, 0.61, "τ=0.5")],
@@ -260,9 +248,7 @@ def test_plots_write_pngs(tmp_path):
     stats = loss_change_stats(np.zeros(100), deltas)
     _assert_png(plot_loss_change_histogram(stats, tmp_path / "lc2.png", log_y=True))
     _assert_png(
-        plot_loss_change_histogram(
-            {"ouro": stats, "huginn": torch.tensor(deltas[::-1].copy())}, tmp_path / "lc3.png"
-        )
+        plot_loss_change_histogram({"ouro": stats, "huginn": torch.tensor(deltas[::-1].copy())}, tmp_path / "lc3.png")
     )
 
 
@@ -317,13 +303,7 @@ def _results():
     return {
         "config": {"base_model": "tiny-llama", "max_depth": 3, "seeds": [0, 1]},
         "models": {
-            "base": {
-                "tasks": {
-                    "mano": {
-                        "levels": {4: {"accuracy": 0.9, "n": 100}, 8: {"accuracy": 0.5, "n": 100}}
-                    }
-                }
-            },
+            "base": {"tasks": {"mano": {"levels": {4: {"accuracy": 0.9, "n": 100}, 8: {"accuracy": 0.5, "n": 100}}}}},
             "tah2": {
                 "tasks": {
                     "mano": {
@@ -356,9 +336,7 @@ def _results():
                             "r2_controls": 0.5,
                             "n": 900,
                         },
-                        "loss_change": loss_change_stats(
-                            np.zeros(4), np.array([0.0, 0.0, 0.5, -0.5])
-                        ),
+                        "loss_change": loss_change_stats(np.zeros(4), np.array([0.0, 0.0, 0.5, -0.5])),
                     }
                 }
             },
@@ -370,22 +348,16 @@ def test_markdown_report_tables_and_missing_sections(tmp_path):
     plot = tmp_path / "plots" / "acc.png"
     plot.parent.mkdir()
     plot.write_bytes(b"")
-    path = write_markdown_report(
-        _results(), tmp_path / "report.md", plots={"accuracy vs difficulty": plot}
-    )
+    path = write_markdown_report(_results(), tmp_path / "report.md", plots={"accuracy vs difficulty": plot})
     md = _read(path)
     assert "## Task: mano" in md
-    assert (
-        "| level | n | acc (base) | acc (tah2) | d̄ (tah2) | d̄/D (tah2) | Cost_exec (tah2) |" in md
-    )
+    assert "| level | n | acc (base) | acc (tah2) | d̄ (tah2) | d̄/D (tah2) | Cost_exec (tah2) |" in md
     # level keys 4 (base) and "4" (tah2, as after a JSON round trip) are one row
     assert md.count("| 4 | 100 | 90.0% | 95.0% | 1.20 | 0.40 | 1,200 |") == 1
     assert "| 8 | 100 | 50.0% | 70.0% | 2.10 | 0.70 | 2,100 |" in md
     assert "| 3 | 72.0% |" in md  # scaling table row
     assert "| tah2 | kl | 65.0% | 2.00 | – |" in md
-    assert (
-        "| tah2 | expansion | 0.666 | – |" in md and "| tah2 | convergence | 0.400 | 1,000 |" in md
-    )
+    assert "| tah2 | expansion | 0.666 | – |" in md and "| tah2 | convergence | 0.400 | 1,000 |" in md
     assert "| tah2 | hub_out_degree | 0.300 |" in md and "| tah2 | 0.720 | 0.500 | 900 |" in md
     assert "| tah2 | 0.001 | 50.0% | 25.0% | 25.0% | 0.0000 | 4 |" in md
     assert "![accuracy vs difficulty](plots/acc.png)" in md

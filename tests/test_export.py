@@ -78,16 +78,37 @@ torch.save(results, job["out"])
 """
 
 
-def run_fresh(folders: dict[str, Path], ids: torch.Tensor, tmp_path: Path, generate: str | None = None,
-              use_cache: tuple[bool, ...] = (False,)) -> dict:
+def run_fresh(
+    folders: dict[str, Path],
+    ids: torch.Tensor,
+    tmp_path: Path,
+    generate: str | None = None,
+    use_cache: tuple[bool, ...] = (False,),
+) -> dict:
     out = tmp_path / "fresh_results.pt"
-    job = {"folders": {k: str(v) for k, v in folders.items()}, "ids": ids.tolist(), "out": str(out),
-           "generate": generate, "use_cache": use_cache}
+    job = {
+        "folders": {k: str(v) for k, v in folders.items()},
+        "ids": ids.tolist(),
+        "out": str(out),
+        "generate": generate,
+        "use_cache": use_cache,
+    }
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
-               HF_HOME=str(tmp_path / "hf_home"))
-    proc = subprocess.run([sys.executable, "-I", "-c", FRESH_LOADER, json.dumps(job)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", FRESH_LOADER, json.dumps(job)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
@@ -157,8 +178,15 @@ def test_bundle_rewrites_every_import_form(tmp_path):
 
     _write(tmp_path / "src", SYNTH)
     files = bundle_modules(["pkg.main"], package_dir=tmp_path / "src" / "pkg", package="pkg")
-    assert set(files) == {"pkg_main.py", "pkg_sub.py", "pkg_sub_alpha.py", "pkg_sub_beta.py", "pkg_util.py",
-                          "pkg_deep_leaf.py", "pkg_late.py"}  # parents' __init__ only when imported themselves
+    assert set(files) == {
+        "pkg_main.py",
+        "pkg_sub.py",
+        "pkg_sub_alpha.py",
+        "pkg_sub_beta.py",
+        "pkg_util.py",
+        "pkg_deep_leaf.py",
+        "pkg_late.py",
+    }  # parents' __init__ only when imported themselves
     assert "from .pkg_sub_alpha import A  # a comment that stays" in files["pkg_main.py"]
     assert "from .pkg_util import U" in files["pkg_sub.py"]
 
@@ -186,7 +214,9 @@ def test_bundle_rewrites_every_import_form(tmp_path):
         f"m = types.ModuleType('pkg'); m.__path__ = [{str(tmp_path / 'src' / 'pkg')!r}]; sys.modules['pkg'] = m\n"
         "import pkg.main\nprint(pkg.main.value())\n"
     )
-    ref = subprocess.run([sys.executable, "-I", "-c", ref_code], capture_output=True, text=True, timeout=60, check=False)
+    ref = subprocess.run(
+        [sys.executable, "-I", "-c", ref_code], capture_output=True, text=True, timeout=60, check=False
+    )
     assert ref.returncode == 0, ref.stderr
     assert got.stdout == ref.stdout
     assert "'a'" in ref.stdout and "'leafba'" in ref.stdout
@@ -224,8 +254,11 @@ ALLOWED_IMPORTS = {"torch", "transformers", "huggingface_hub", "packaging"}
 def test_allowed_imports_are_transformers_requirements():
     from importlib.metadata import requires
 
-    hard = {r.split(";")[0].split("<")[0].split(">")[0].split("=")[0].strip().replace("-", "_")
-            for r in requires("transformers") if "extra ==" not in r}
+    hard = {
+        r.split(";")[0].split("<")[0].split(">")[0].split("=")[0].strip().replace("-", "_")
+        for r in requires("transformers")
+        if "extra ==" not in r
+    }
     assert ALLOWED_IMPORTS - {"torch", "transformers"} <= hard
 
 
@@ -241,8 +274,21 @@ def test_bundle_of_retrofit_follows_the_import_graph():
                     assert target in files, f"{fname} imports {node.module}, not bundled"
                 else:
                     assert all(a.name + ".py" in files for a in node.names)
-    for m in ("modeling", "config", "heads", "attention", "families", "halting", "halting_tah2", "halting_anira",
-              "loop", "backends", "outputs", "cache", "versions"):
+    for m in (
+        "modeling",
+        "config",
+        "heads",
+        "attention",
+        "families",
+        "halting",
+        "halting_tah2",
+        "halting_anira",
+        "loop",
+        "backends",
+        "outputs",
+        "cache",
+        "versions",
+    ):
         assert f"retrofit_{m}.py" in files
     assert flat_name("retrofit") + ".py" not in files  # the root __init__ registers Auto classes
     assert "retrofit_export.py" not in files and "retrofit_loading.py" not in files
@@ -269,9 +315,24 @@ def exported(tmp_path_factory):
     ckpt = root / "ckpt_llama"
     m1.save_pretrained(ckpt)
     char_tokenizer().save_pretrained(ckpt)
-    (ckpt / "retrofit_eval.json").write_text(json.dumps({"models": {"tah2": {"tasks": {"mano": {"levels": {
-        "1": {"accuracy": 0.5, "mean_depth": 1.5, "n": 10},
-        "2": {"accuracy": 0.25, "mean_depth": 2.5, "n": 30}}}}}}}))
+    (ckpt / "retrofit_eval.json").write_text(
+        json.dumps(
+            {
+                "models": {
+                    "tah2": {
+                        "tasks": {
+                            "mano": {
+                                "levels": {
+                                    "1": {"accuracy": 0.5, "mean_depth": 1.5, "n": 10},
+                                    "2": {"accuracy": 0.25, "mean_depth": 2.5, "n": 30},
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        )
+    )
     out1 = export(ckpt, root / "out_llama")
     m2 = looped("qwen3", "anira-o", seed=5)
     out2 = export_model(m2, root / "out_qwen3", tokenizer=char_tokenizer())
@@ -284,8 +345,10 @@ def test_export_folder_contents(exported):
     assert "model.safetensors" in names and "generation_config.json" in names and "tokenizer.json" in names
     assert not any(n.endswith((".bin", ".pt", ".pth", ".pkl", ".pickle")) for n in names)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["auto_map"] == {"AutoConfig": "modeling_looped.LoopedLlamaConfig",
-                               "AutoModelForCausalLM": "modeling_looped.LoopedLlamaForCausalLM"}
+    assert cfg["auto_map"] == {
+        "AutoConfig": "modeling_looped.LoopedLlamaConfig",
+        "AutoModelForCausalLM": "modeling_looped.LoopedLlamaForCausalLM",
+    }
     assert cfg["loop"] == m1.config.loop_config.to_dict()
     for f in names:
         if f.endswith(".py"):
@@ -363,7 +426,8 @@ import retrofit
 
 assert type(model) is retrofit.LoopedLlamaForCausalLM, type(model)
 assert isinstance(model, retrofit.LoopedForCausalLM) and isinstance(model.config, retrofit.LoopedLlamaConfig)
-assert not [m for m in sys.modules if m.startswith("transformers_modules") and "retrofit_" in m], "bundled copy imported"
+bundled = [m for m in sys.modules if m.startswith("transformers_modules") and "retrofit_" in m]
+assert not bundled, "bundled copy imported"
 with torch.no_grad():
     out = model(torch.tensor(job["ids"]))
 model.save_pretrained(job["resave"])  # retrofit's classes stay out of remote-code saving
@@ -377,10 +441,23 @@ def test_trust_remote_code_where_retrofit_is_installed_gives_retrofits_classes(e
     the entry module returns retrofit's own classes (one set of classes), not the bundled copy."""
     m1, out1 = exported["llama"]
     job = {"folder": str(out1), "ids": PROBE.tolist(), "out": str(tmp_path / "res.pt"), "resave": str(tmp_path / "re")}
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
-               HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", INSTALLED_LOADER, json.dumps(job)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
+        HF_HOME=str(tmp_path / "hf_home"),
+        PYTHONPATH=str(REPO),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", INSTALLED_LOADER, json.dumps(job)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = torch.load(tmp_path / "res.pt")
     with torch.no_grad():
@@ -390,7 +467,9 @@ def test_trust_remote_code_where_retrofit_is_installed_gives_retrofits_classes(e
     assert not list((tmp_path / "re").glob("*.py"))
 
 
-VERSION_LOADER = FRESH_LOADER.split("import torch\n", 1)[0] + r"""
+VERSION_LOADER = (
+    FRESH_LOADER.split("import torch\n", 1)[0]
+    + r"""
 import importlib.metadata as md
 from transformers import AutoModelForCausalLM
 
@@ -401,16 +480,28 @@ try:
 except ImportError as e:
     print("REFUSED:", e)
 """
+)
 
 
 @pytest.mark.integration
 def test_exported_code_carries_its_own_version_check(exported, tmp_path):
     _, out1 = exported["llama"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
-               HF_HOME=str(tmp_path / "hf_home"))
-    proc = subprocess.run([sys.executable, "-I", "-c", VERSION_LOADER, str(out1)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
+        HF_HOME=str(tmp_path / "hf_home"),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", VERSION_LOADER, str(out1)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "REFUSED:" in proc.stdout and "transformers 6.0.0 is installed" in proc.stdout, proc.stdout
 
@@ -441,9 +532,17 @@ def test_card_from_trainer_eval_results(tmp_path):
     s = read_eval_summary(tmp_path)
     assert s["mean_depth"] == 1.75 and s["metrics"]["eval_loss"] == 1.25
     (tmp_path / "eval_results.json").unlink()
-    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": [
-        {"loss": 2.0, "mean_depth": 1.9, "step": 5}, {"eval_loss": 1.5, "eval_mean_depth": 1.6, "step": 5},
-        {"loss": 1.0, "step": 10}]}))
+    (tmp_path / "trainer_state.json").write_text(
+        json.dumps(
+            {
+                "log_history": [
+                    {"loss": 2.0, "mean_depth": 1.9, "step": 5},
+                    {"eval_loss": 1.5, "eval_mean_depth": 1.6, "step": 5},
+                    {"loss": 1.0, "step": 10},
+                ]
+            }
+        )
+    )
     s = read_eval_summary(tmp_path)
     assert s["mean_depth"] == 1.6 and s["metrics"] == {"eval_loss": 1.5, "eval_mean_depth": 1.6, "step": 5}
     (tmp_path / "retrofit_eval.json").write_text("{not json")
@@ -560,8 +659,20 @@ def test_cli_export_push_to_hub_mocked(tmp_path, monkeypatch, capsys):
     m.save_pretrained(tmp_path / "ckpt")
     FakeHfApi.calls = []
     monkeypatch.setattr(ex, "HfApi", FakeHfApi)
-    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
-                 "--push-to-hub", "me/looped-tiny", "--private"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "ckpt"),
+                "--out",
+                str(tmp_path / "out"),
+                "--push-to-hub",
+                "me/looped-tiny",
+                "--private",
+            ]
+        )
+        == 0
+    )
     kinds = [c[0] for c in FakeHfApi.calls]
     assert kinds == ["init", "create_repo", "upload_folder"]
     assert FakeHfApi.calls[1][1] == "me/looped-tiny"
@@ -574,7 +685,9 @@ def test_cli_export_push_to_hub_mocked(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(FakeHfApi, "upload_folder", lambda self, **kw: (_ for _ in ()).throw(ConnectionError("no hub")))
     capsys.readouterr()
     assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o_fail"), "--push-to-hub", "me/x"]) == 2
-    assert re.search(r"^error: exported to .*o_fail, but the upload to me/x failed.*no hub", capsys.readouterr().err, re.M)
+    assert re.search(
+        r"^error: exported to .*o_fail, but the upload to me/x failed.*no hub", capsys.readouterr().err, re.M
+    )
     assert (tmp_path / "o_fail" / "model.safetensors").is_file()
     # --private needs --push-to-hub; a second export without --overwrite is refused, clearly
     assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o2"), "--private"]) == 2

@@ -92,8 +92,10 @@ def test_left_padding_matches_full_forward(split, attention):
     assert cache.executed_pairs() == int(DEPTHS[real].sum())
 
 
-@pytest.mark.parametrize("method,split,seed", [("tah2", "whole", 3), ("tah2", "middle", 2), ("anira-o", "middle", 1),
-                                               ("anira-e", "whole", 1)])
+@pytest.mark.parametrize(
+    "method,split,seed",
+    [("tah2", "whole", 3), ("tah2", "middle", 2), ("anira-o", "middle", 1), ("anira-e", "whole", 1)],
+)
 def test_decider_depths_and_logits_match_full_forward(method, split, seed):
     model = looped("llama", method, split, head_seed=seed)
     with torch.no_grad():
@@ -145,8 +147,11 @@ def test_batch_composition_does_not_change_a_row():
 
 def test_taps_and_training_free_exits_decode_like_full_forward():
     model = looped("llama", "fixed", "middle", max_depth=4, head_seed=2)
-    for kw in ({"step_schedule": "taps", "depth": DEPTHS.clamp(max=4)}, {"exit_policy": "kl", "exit_threshold": 1e-3},
-               {"exit_policy": "state", "exit_threshold": 0.3, "step_schedule": "taps"}):
+    for kw in (
+        {"step_schedule": "taps", "depth": DEPTHS.clamp(max=4)},
+        {"exit_policy": "kl", "exit_threshold": 1e-3},
+        {"exit_policy": "state", "exit_threshold": 0.3, "step_schedule": "taps"},
+    ):
         with torch.no_grad():
             full = model(IDS, **kw)
         dec_kw = dict(kw)
@@ -177,10 +182,15 @@ def test_batched_left_padded_generation_equals_one_by_one(tok, method, split, se
     assert len(out.depths[out.depths > 0].unique()) > 1, "the test needs mixed exit depths"
     P = enc["input_ids"].shape[1]
     for i, p in enumerate(PROMPTS):
-        one = model.generate(**tok([p], return_tensors="pt"), max_new_tokens=10, do_sample=False,
-                             return_dict_in_generate=True, pad_token_id=0)
+        one = model.generate(
+            **tok([p], return_tensors="pt"),
+            max_new_tokens=10,
+            do_sample=False,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
         n = one.sequences.shape[1] - len(p)
-        assert out.sequences[i, P : P + n].tolist() == one.sequences[0, len(p):].tolist()
+        assert out.sequences[i, P : P + n].tolist() == one.sequences[0, len(p) :].tolist()
         assert out.depths[i, :n].tolist() == one.depths[0].tolist()
 
 
@@ -211,11 +221,23 @@ def test_generated_depths_are_the_forward_depths(tok):
 def test_sampling_num_return_sequences_and_exit_policies(tok):
     model = looped("llama", "fixed", "middle", max_depth=4, head_seed=2)
     enc = tok(PROMPTS[:2], return_tensors="pt", padding=True, padding_side="left")
-    for kw in ({}, {"depth": 2}, {"exit_policy": "kl", "exit_threshold": 1e-3}, {"exit_policy": "state", "exit_threshold": 0.3},
-               {"step_schedule": "taps"}):
+    for kw in (
+        {},
+        {"depth": 2},
+        {"exit_policy": "kl", "exit_threshold": 1e-3},
+        {"exit_policy": "state", "exit_threshold": 0.3},
+        {"step_schedule": "taps"},
+    ):
         torch.manual_seed(0)
-        a = model.generate(**enc, max_new_tokens=4, do_sample=True, num_return_sequences=3, return_dict_in_generate=True,
-                           pad_token_id=0, **kw)
+        a = model.generate(
+            **enc,
+            max_new_tokens=4,
+            do_sample=True,
+            num_return_sequences=3,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **kw,
+        )
         torch.manual_seed(0)
         b = model.generate(**enc, max_new_tokens=4, do_sample=True, num_return_sequences=3, pad_token_id=0, **kw)
         assert a.sequences.shape[0] == 6 and a.depths.shape == (6, 4)
@@ -234,8 +256,9 @@ def test_streamer_prints_the_generated_text(tok):
     enc = tok(["abc"], return_tensors="pt")
     buf = io.StringIO()
     with redirect_stdout(buf):
-        out = model.generate(**enc, max_new_tokens=6, do_sample=False, streamer=TextStreamer(tok, skip_prompt=True),
-                             pad_token_id=0)
+        out = model.generate(
+            **enc, max_new_tokens=6, do_sample=False, streamer=TextStreamer(tok, skip_prompt=True), pad_token_id=0
+        )
     assert buf.getvalue().strip() == tok.decode(out[0, 3:]).strip()
 
 
@@ -293,8 +316,14 @@ def test_cost_report_against_hand_counts(tok):
     assert rep["flops"] == pytest.approx(per_tok(1) + per_tok(2) + per_tok(3))
     assert rep["flops_vs_fixed"] == pytest.approx(rep["flops"] / (3 * per_tok(3)))
     assert rep["layers_adaptive_vs_fixed"] == pytest.approx((1 + 3 * 2 + 2) / (1 + 3 * 3 + 2))
-    out = model.generate(**tok(["hi"], return_tensors="pt"), max_new_tokens=4, do_sample=False, depth=2,
-                         return_dict_in_generate=True, pad_token_id=0)
+    out = model.generate(
+        **tok(["hi"], return_tensors="pt"),
+        max_new_tokens=4,
+        do_sample=False,
+        depth=2,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     g = generate_cost(model, out)
     assert g["n_tokens"] == 4 and g["mean_depth"] == 2.0
     assert generate_cost(model, out, include_prompt=True)["n_tokens"] == 2 + 4 - 1

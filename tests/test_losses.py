@@ -11,6 +11,8 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from references import brute_force_labels as _brute_force_labels
+from references import direct_kl_to_prior, hand_decider_loss, hand_mixture_weights
 
 import retrofit
 from retrofit.halting import HALTING_METHODS
@@ -19,9 +21,6 @@ from retrofit.halting.base import AuxLoss, LossConfig
 from retrofit.halting.fixed import sample_poisson_lognormal_depth
 from retrofit.halting.tah2 import decider_loss, gain_cutoff, lookahead_labels, next_token_mask
 from retrofit.testing import tiny_base
-
-from references import brute_force_labels as _brute_force_labels
-from references import direct_kl_to_prior, hand_decider_loss, hand_mixture_weights
 
 NAN = float("nan")
 
@@ -61,7 +60,12 @@ HAND_MASK = torch.tensor([[True, True, True, True, False]])
         # is overridden by the absorbing stop.
         (0.75, 0.625, [[1, 0], [0, 0], [0, 0], [0, 0]], [[0.375, 0.5], [1.125, 0], [0.25, 0.0], [0.609375, 0]]),
         # ρ = 1 keeps every positive gain: κ = 0.015625, t3 continues.
-        (1.0, 0.015625, [[1, 1], [0, 0], [1, 1], [1, 0]], [[0.984375, 0.109375], [0.515625, 0], [0.359375, 0.609375], [0.0, 0]]),
+        (
+            1.0,
+            0.015625,
+            [[1, 1], [0, 0], [1, 1], [1, 0]],
+            [[0.984375, 0.109375], [0.515625, 0], [0.359375, 0.609375], [0.0, 0]],
+        ),
     ],
 )
 def test_lookahead_labels_hand_example(rho, kappa, labels, weights):
@@ -264,8 +268,10 @@ def test_kl_with_log_q_equals_kl_from_q():
 @pytest.mark.parametrize("method", ["anira-e", "anira-o"])
 def test_anira_loss_is_gamma_times_masked_mean_kl(method):
     torch.manual_seed(0)
-    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(prelude=1, core=4, max_depth=3, method=method,
-                                                                     gamma=0.3, prior_base=2.0)).train()
+    model = retrofit.convert(
+        tiny_base("llama"),
+        retrofit.LoopConfig(prelude=1, core=4, max_depth=3, method=method, gamma=0.3, prior_base=2.0),
+    ).train()
     ids, labels = _batch()
     attn = torch.ones_like(ids)
     attn[1, -3:] = 0  # padding
@@ -284,7 +290,9 @@ def test_anira_loss_is_gamma_times_masked_mean_kl(method):
 @pytest.mark.parametrize("method", ["anira-e", "anira-o"])
 def test_straight_through_passes_ce_gradient_to_the_decider(method):
     torch.manual_seed(0)
-    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(prelude=1, core=4, max_depth=3, method=method)).train()
+    model = retrofit.convert(
+        tiny_base("llama"), retrofit.LoopConfig(prelude=1, core=4, max_depth=3, method=method)
+    ).train()
     # make the updater non-trivial so that the depths' states differ
     torch.nn.init.normal_(model.updater.w2.weight, std=0.05)
     ids, labels = _batch()
@@ -427,7 +435,9 @@ def test_loss_config_validation():
 def _mixed_depth_tah2(seed=0, **loop):
     """A TaH2 model whose decider stops about half the tokens at depth 1 (and a non-trivial updater)."""
     torch.manual_seed(seed)
-    model = retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=3, method="tah2", **loop)).train()
+    model = retrofit.convert(
+        tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=3, method="tah2", **loop)
+    ).train()
     with torch.no_grad():
         torch.nn.init.normal_(model.updater.w2.weight, std=0.05)
         fc2 = model.halting.decider.fc2

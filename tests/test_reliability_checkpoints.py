@@ -54,9 +54,21 @@ def make_trainer(out, max_steps=4, seed=0):
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)]
     ds, _ = format_sft_dataset(datasets.Dataset.from_list(rows))
     args = RetrofitSFTConfig(
-        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=3e-3,
-        logging_steps=1, save_strategy="steps", save_steps=2, report_to="none", activation_checkpointing=False,
-        use_cpu=True, disable_tqdm=True, max_length=32, seed=0, dataloader_num_workers=0, lr_scheduler_type="linear",
+        output_dir=str(out),
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to="none",
+        activation_checkpointing=False,
+        use_cpu=True,
+        disable_tqdm=True,
+        max_length=32,
+        seed=0,
+        dataloader_num_workers=0,
+        lr_scheduler_type="linear",
     )
     return RetrofitSFTTrainer(model, args, train_dataset=ds, processing_class=char_tokenizer())
 
@@ -125,7 +137,11 @@ def test_broken_last_checkpoint_is_skipped_and_resume_falls_back(run, tmp_path, 
     assert any("skipping checkpoint" in r.message and why in r.message for r in caplog.records), caplog.text
 
     # an explicit broken path is a one-line error naming why and the valid alternative
-    with pytest.raises(InvalidCheckpointError, match=f"cannot resume from .*checkpoint-4: .*{why.split()[0]}.*newest valid checkpoint next to it is .*checkpoint-2"):
+    with pytest.raises(
+        InvalidCheckpointError,
+        match=f"cannot resume from .*checkpoint-4: .*{why.split()[0]}"
+        ".*newest valid checkpoint next to it is .*checkpoint-2",
+    ):
         make_trainer(out).train(resume_from_checkpoint=str(out / "checkpoint-4"))
 
     # resume_from_checkpoint=True falls back to checkpoint-2 and repeats steps 3-4 exactly
@@ -166,7 +182,11 @@ def test_kill_during_save_leaves_the_previous_checkpoint_valid(run, tmp_path):
         tr._save_optimizer_and_scheduler = slow
         tr.train()
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 300
@@ -200,7 +220,9 @@ def test_commit_fsyncs_files_before_the_rename_and_the_parent_after(tmp_path, mo
     real_rename = os.rename
     monkeypatch.setattr(C, "fsync_file", lambda p: events.append(("file", Path(p).name)))
     monkeypatch.setattr(C, "_fsync_dir", lambda p: events.append(("dir", Path(p).name)))
-    monkeypatch.setattr(C.os, "rename", lambda a, b: (events.append(("rename", Path(a).name, Path(b).name)), real_rename(a, b)))
+    monkeypatch.setattr(
+        C.os, "rename", lambda a, b: (events.append(("rename", Path(a).name, Path(b).name)), real_rename(a, b))
+    )
     with atomic_dir(tmp_path / "final") as tmp:
         (tmp / "a.bin").write_bytes(b"1")
         (tmp / "sub").mkdir()

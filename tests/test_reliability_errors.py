@@ -74,23 +74,55 @@ def cli(capsys, argv) -> str:
 
 CLI_CASES = [
     # (id, argv with {d} = the files folder, what the line must say)
-    ("generate-missing-model", ["generate", "--model", "{d}/nope/model", "--prompt", "hi"], "model not found: {d}/nope/model"),
+    (
+        "generate-missing-model",
+        ["generate", "--model", "{d}/nope/model", "--prompt", "hi"],
+        "model not found: {d}/nope/model",
+    ),
     ("generate-random-gguf", ["generate", "--model", "{d}/random.gguf", "--prompt", "hi"], "is not a GGUF file"),
-    ("generate-truncated-gguf", ["generate", "--model", "{d}/truncated.gguf", "--prompt", "hi"], "truncated.gguf is truncated: its tensors need"),
+    (
+        "generate-truncated-gguf",
+        ["generate", "--model", "{d}/truncated.gguf", "--prompt", "hi"],
+        "truncated.gguf is truncated: its tensors need",
+    ),
     ("generate-empty-prompt", ["generate", "--model", "tiny-llama", "--prompt", ""], "--prompt is empty"),
     ("generate-blank-prompt", ["generate", "--model", "tiny-llama", "--prompt", "  \n "], "--prompt is empty"),
-    ("generate-non-utf8-prompt", ["generate", "--model", "tiny-llama", "--prompt", "ab\udcffc"], "not valid UTF-8 (undecodable byte 0xff at position 2)"),
-    ("generate-too-long-prompt", ["generate", "--model", "tiny-llama", "--prompt", "x" * 600], "the model's context is 512"),
-    ("generate-corrupt-safetensors", ["generate", "--model", "{d}/corrupt", "--prompt", "hi"], "model.safetensors is truncated"),
+    (
+        "generate-non-utf8-prompt",
+        ["generate", "--model", "tiny-llama", "--prompt", "ab\udcffc"],
+        "not valid UTF-8 (undecodable byte 0xff at position 2)",
+    ),
+    (
+        "generate-too-long-prompt",
+        ["generate", "--model", "tiny-llama", "--prompt", "x" * 600],
+        "the model's context is 512",
+    ),
+    (
+        "generate-corrupt-safetensors",
+        ["generate", "--model", "{d}/corrupt", "--prompt", "hi"],
+        "model.safetensors is truncated",
+    ),
     ("convert-missing-model", ["convert", "--model", "{d}/missing", "--out", "{d}/o1"], "model not found"),
     ("convert-truncated-gguf", ["convert", "--model", "{d}/truncated.gguf", "--out", "{d}/o2"], "is truncated"),
     ("convert-random-gguf", ["convert", "--model", "{d}/random.gguf", "--out", "{d}/o3"], "is not a GGUF file"),
-    ("convert-max-depth", ["convert", "--model", "tiny-llama", "--max-depth", "1000000", "--out", "{d}/o4"], "above the limit of 64"),
+    (
+        "convert-max-depth",
+        ["convert", "--model", "tiny-llama", "--max-depth", "1000000", "--out", "{d}/o4"],
+        "above the limit of 64",
+    ),
     ("export-corrupt-safetensors", ["export", "{d}/corrupt", "--out", "{d}/o5"], "model.safetensors is truncated"),
     ("export-missing", ["export", "{d}/nope", "--out", "{d}/o6"], "checkpoint folder not found"),
-    ("eval-no-tokenizer", ["eval", "--model", "{d}/no_tokenizer", "--out", "{d}/o7", "--n", "1"], "has no tokenizer files"),
+    (
+        "eval-no-tokenizer",
+        ["eval", "--model", "{d}/no_tokenizer", "--out", "{d}/o7", "--n", "1"],
+        "has no tokenizer files",
+    ),
     ("eval-corrupt-safetensors", ["eval", "--model", "{d}/corrupt", "--out", "{d}/o8", "--n", "1"], "is truncated"),
-    ("generate-zero-new-tokens", ["generate", "--model", "tiny-llama", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (
+        "generate-zero-new-tokens",
+        ["generate", "--model", "tiny-llama", "--prompt", "hi", "--max-new-tokens", "0"],
+        "--max-new-tokens must be >= 1",
+    ),
 ]
 
 
@@ -108,7 +140,9 @@ def test_no_tokenizer_names_the_real_cause(files, capsys):
 
 
 def test_truncate_flag_keeps_the_prompt_tail(capsys):
-    assert main(["generate", "--model", "tiny-llama", "--prompt", "x" * 600, "--max-new-tokens", "2", "--truncate"]) == 0
+    assert (
+        main(["generate", "--model", "tiny-llama", "--prompt", "x" * 600, "--max-new-tokens", "2", "--truncate"]) == 0
+    )
     assert "dropped the first 90 of 600 prompt tokens" in capsys.readouterr().out
 
 
@@ -128,15 +162,38 @@ def tah2():
     return recipe("tah2_llama")
 
 
-TINY = ["--model", "tiny-llama", "--prelude", "1", "--core", "4", "--report", "false", "--control", "", "--lora", "false",
-        "--report_to", "none",
-        "--max_steps", "1", "--per_device_train_batch_size", "2", "--activation_checkpointing", "false"]
+TINY = [
+    "--model",
+    "tiny-llama",
+    "--prelude",
+    "1",
+    "--core",
+    "4",
+    "--report",
+    "false",
+    "--control",
+    "",
+    "--lora",
+    "false",
+    "--report_to",
+    "none",
+    "--max_steps",
+    "1",
+    "--per_device_train_batch_size",
+    "2",
+    "--activation_checkpointing",
+    "false",
+]
 
 DATA_FILES = [
     ("malformed.json", b'[{"prompt": "1+1=", "answer": "2"},', "invalid JSON"),
     ("malformed.jsonl", b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n', "malformed.jsonl:2: invalid JSON"),
     ("latin1.jsonl", '{"prompt": "caf\u00e9", "answer": "2"}\n'.encode("latin-1"), "not UTF-8 text (byte 0xe9"),
-    ("mixed.jsonl", b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4}\n', "field 'answer' is a number here but a string in line 1"),
+    (
+        "mixed.jsonl",
+        b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4}\n',
+        "field 'answer' is a number here but a string in line 1",
+    ),
     ("arrays.json", b'[["1+1=", "2"], ["2+2=", "4"]]', "a row must be a JSON object"),
     ("arrays.jsonl", b'["1+1=", "2"]\n', "arrays.jsonl:1: a row must be a JSON object"),
     ("empty.jsonl", b"", "no rows (the file is empty)"),
@@ -180,19 +237,38 @@ def test_recipe_bad_loop_config_is_one_line(tah2, tmp_path, capsys, extra, needl
     assert not (tmp_path / "out" / "final").exists()
 
 
-@pytest.mark.parametrize("name, extra, needle", [
-    ("anira_llama", ["--method", "anira-x"], "--method must be anira-e or anira-o, got 'anira-x'"),
-    ("anira_llama", ["--halt_threshold", "0"], "halt_threshold must be a number strictly between 0 and 1"),
-    ("fixed_loop", ["--max_depth", "65"], "above the limit of 64"),
-    ("tah2_qwen3", ["--max_depth", "-1"], "max_depth must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "name, extra, needle",
+    [
+        ("anira_llama", ["--method", "anira-x"], "--method must be anira-e or anira-o, got 'anira-x'"),
+        ("anira_llama", ["--halt_threshold", "0"], "halt_threshold must be a number strictly between 0 and 1"),
+        ("fixed_loop", ["--max_depth", "65"], "above the limit of 64"),
+        ("tah2_qwen3", ["--max_depth", "-1"], "max_depth must be an integer >= 1"),
+    ],
+)
 def test_other_recipes_report_bad_loop_configs_the_same_way(tmp_path, capsys, name, extra, needle):
     mod = recipe(name)
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     model = "tiny-qwen3" if "qwen3" in name else "tiny-llama"
-    rc = run_cli(mod.main, ["--model", model, "--prelude", "1", "--core", "4", "--data_file", str(rows),
-                            "--output_dir", str(tmp_path / "o"), "--report_to", "none", *extra])
+    rc = run_cli(
+        mod.main,
+        [
+            "--model",
+            model,
+            "--prelude",
+            "1",
+            "--core",
+            "4",
+            "--data_file",
+            str(rows),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--report_to",
+            "none",
+            *extra,
+        ],
+    )
     assert rc == 2
     assert needle in one_error_line(capsys.readouterr().err)
 
@@ -233,8 +309,14 @@ def test_run_cli_contract(capsys, monkeypatch):
 # real processes
 # ------------------------------------------------------------------------------------------------
 def _env(**kw):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": "ignore",
+    }
     env.pop("RETROFIT_DEBUG", None)
     env.update(kw)
     return env
@@ -258,17 +340,39 @@ def test_a_recipe_exits_2_without_a_traceback_directly_and_under_accelerate(tmp_
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 3, ')
     args = [*TINY, "--data_file", str(bad), "--output_dir", str(tmp_path / "o")]
-    direct = subprocess.run([sys.executable, "recipes/tah2_llama.py", *args], cwd=REPO, env=_env(),
-                            capture_output=True, text=True, timeout=600, check=False)
+    direct = subprocess.run(
+        [sys.executable, "recipes/tah2_llama.py", *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert direct.returncode == 2, direct.stderr[-3000:]
     line = one_error_line(direct.stderr)
     assert line == direct.stderr.rstrip("\n").splitlines()[-1] and "bad.jsonl:2: invalid JSON" in line
     # accelerate's single-process launcher reports a failed child itself: a CalledProcessError
     # traceback, or with -q/--quiet nothing more and exit 1 (retrofit.errors explains)
     launched = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "-q", "--config_file", "launch/cpu.yaml",
-         "--num_cpu_threads_per_process", "1", "recipes/tah2_llama.py", *args],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "-q",
+            "--config_file",
+            "launch/cpu.yaml",
+            "--num_cpu_threads_per_process",
+            "1",
+            "recipes/tah2_llama.py",
+            *args,
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert launched.returncode != 0
     assert one_error_line(launched.stderr) == line

@@ -153,33 +153,78 @@ def test_eval_strategy_without_an_eval_set_turns_evaluation_off(tmp_path, caplog
     )
 
     torch.set_num_threads(1)
-    ds, _ = format_sft_dataset(datasets.Dataset.from_list([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)]))
+    ds, _ = format_sft_dataset(
+        datasets.Dataset.from_list([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)])
+    )
     model = retrofit.convert(tiny_base("llama"), LoopConfig(max_depth=2, method="fixed"))
-    kw = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to="none", use_cpu=True,
-              save_strategy="no", activation_checkpointing=False, max_length=32, eval_strategy="steps", eval_steps=1)
+    kw = dict(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        activation_checkpointing=False,
+        max_length=32,
+        eval_strategy="steps",
+        eval_steps=1,
+    )
     tr = RetrofitSFTTrainer(model, RetrofitSFTConfig(**kw), train_dataset=ds, processing_class=char_tokenizer())
     assert "turning off periodic evaluation" in caplog.text
     tr.train()
     assert tr.state.global_step == 2 and not any("eval_loss" in h for h in tr.state.log_history)
     with pytest.raises(BadDataError, match="load_best_model_at_end needs an evaluation set"):
-        RetrofitSFTTrainer(model, RetrofitSFTConfig(**{**kw, "load_best_model_at_end": True, "save_strategy": "steps",
-                                                       "save_steps": 1, "metric_for_best_model": "loss"}),
-                           train_dataset=ds, processing_class=char_tokenizer())
+        RetrofitSFTTrainer(
+            model,
+            RetrofitSFTConfig(
+                **{
+                    **kw,
+                    "load_best_model_at_end": True,
+                    "save_strategy": "steps",
+                    "save_steps": 1,
+                    "metric_for_best_model": "loss",
+                }
+            ),
+            train_dataset=ds,
+            processing_class=char_tokenizer(),
+        )
 
 
 @pytest.mark.integration
 def test_fixed_loop_documented_smoke_command_runs(tmp_path):
     """The command in recipes/fixed_loop.py's docstring, verbatim (plus one thread per process)."""
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a in range(6) for b in range(6)))
+    rows.write_text(
+        "".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a in range(6) for b in range(6))
+    )
     doc = (REPO / "recipes" / "fixed_loop.py").read_text()
     assert "--model tiny-llama --data_file rows.jsonl --max_steps 3 --output_dir /tmp/fixed" in doc
     out = tmp_path / "fixed"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "launch/cpu.yaml",
-           "--num_cpu_threads_per_process", "1", "recipes/fixed_loop.py",
-           "--model", "tiny-llama", "--data_file", str(rows), "--max_steps", "3", "--output_dir", str(out)]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "launch/cpu.yaml",
+        "--num_cpu_threads_per_process",
+        "1",
+        "recipes/fixed_loop.py",
+        "--model",
+        "tiny-llama",
+        "--data_file",
+        str(rows),
+        "--max_steps",
+        "3",
+        "--output_dir",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out / "final" / "model.safetensors").is_file()

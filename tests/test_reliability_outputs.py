@@ -72,8 +72,12 @@ def refused(capsys, argv, *needles):
 def test_export_out_is_the_run_folder_with_overwrite(run_dir, capsys):
     """The issue: `export run/final --out run --overwrite` deleted the whole run and exited 0."""
     before = snapshot(run_dir)
-    refused(capsys, ["export", str(run_dir / "final"), "--out", str(run_dir), "--overwrite"],
-            "the training run folder", str(run_dir / "export"))
+    refused(
+        capsys,
+        ["export", str(run_dir / "final"), "--out", str(run_dir), "--overwrite"],
+        "the training run folder",
+        str(run_dir / "export"),
+    )
     assert snapshot(run_dir) == before
 
 
@@ -89,7 +93,11 @@ def test_export_out_is_or_is_inside_the_checkpoint(run_dir, capsys, out):
 def test_export_from_the_run_folder_protects_every_checkpoint(run_dir, capsys):
     """CKPT = the run folder (its latest checkpoint is exported): --out may not be anything in it."""
     before = snapshot(run_dir)
-    refused(capsys, ["export", str(run_dir), "--out", str(run_dir / "checkpoint-50"), "--overwrite"], "lies inside the input")
+    refused(
+        capsys,
+        ["export", str(run_dir), "--out", str(run_dir / "checkpoint-50"), "--overwrite"],
+        "lies inside the input",
+    )
     assert snapshot(run_dir) == before
 
 
@@ -100,8 +108,12 @@ def test_overwrite_never_replaces_a_folder_retrofit_did_not_write(run_dir, tmp_p
 
     shutil.copytree(run_dir, work)
     before = snapshot(work)
-    refused(capsys, ["export", str(work / "final"), "--out", str(work / "checkpoint-50"), "--overwrite"],
-            "only an empty folder or one written by retrofit", MARKER)
+    refused(
+        capsys,
+        ["export", str(work / "final"), "--out", str(work / "checkpoint-50"), "--overwrite"],
+        "only an empty folder or one written by retrofit",
+        MARKER,
+    )
     refused(capsys, ["export", str(work / "final"), "--out", str(work / "runs"), "--overwrite"], "holds other files")
     assert snapshot(work) == before
     # a new folder inside the run (the main job's own layout) is fine, and so is replacing it later
@@ -128,9 +140,22 @@ def test_convert_out_is_the_model(tmp_path, capsys):
 
 def test_eval_and_generate_outputs_may_not_land_in_the_model(run_dir, capsys):
     before = snapshot(run_dir)
-    refused(capsys, ["eval", "--model", str(run_dir / "final"), "--out", str(run_dir / "final"), "--n", "1"], "is the input")
-    refused(capsys, ["generate", "--model", str(run_dir / "final"), "--prompt", "ab", "--html",
-                     str(run_dir / "final" / "config.json")], "lies inside the input")
+    refused(
+        capsys, ["eval", "--model", str(run_dir / "final"), "--out", str(run_dir / "final"), "--n", "1"], "is the input"
+    )
+    refused(
+        capsys,
+        [
+            "generate",
+            "--model",
+            str(run_dir / "final"),
+            "--prompt",
+            "ab",
+            "--html",
+            str(run_dir / "final" / "config.json"),
+        ],
+        "lies inside the input",
+    )
     assert snapshot(run_dir) == before
 
 
@@ -208,8 +233,16 @@ def test_training_output_dir_may_not_contain_the_model_folder(tmp_path):
     model, tok = load_model(str(src))
     ds, _ = format_sft_dataset(datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}] * 8))
     for out in (tmp_path / "models", src, src / "run"):
-        args = RetrofitSFTConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=4, report_to="none",
-                                 use_cpu=True, save_strategy="no", activation_checkpointing=False, max_length=32)
+        args = RetrofitSFTConfig(
+            output_dir=str(out),
+            max_steps=1,
+            per_device_train_batch_size=4,
+            report_to="none",
+            use_cpu=True,
+            save_strategy="no",
+            activation_checkpointing=False,
+            max_length=32,
+        )
         tr = RetrofitSFTTrainer(model, args, train_dataset=ds, processing_class=tok)
         with pytest.raises(OutputTargetError, match="--output_dir .* the model folder"):
             tr.train()

@@ -189,13 +189,17 @@ def test_taps_at_generate_time():
     P = enc["input_ids"].shape[1]
     for policy in ({}, {"exit_policy": "kl", "exit_threshold": 1e-2}, {"depth": 3}):
         out = model.generate(**enc, step_schedule="taps", **policy, **kw)
-        plain = model.generate(**enc, step_schedule="taps", use_cache=False, **policy, **{**kw, "return_dict_in_generate": False})
+        plain = model.generate(
+            **enc, step_schedule="taps", use_cache=False, **policy, **{**kw, "return_dict_in_generate": False}
+        )
         assert torch.equal(out.sequences, plain), policy
         seq = out.sequences[:, :-1]
         mask = torch.cat([enc["attention_mask"], torch.ones(2, seq.shape[1] - P, dtype=torch.long)], 1)
         with torch.no_grad():
             full = model(seq, attention_mask=mask, step_schedule="taps", **policy)
         assert torch.equal(out.depths, full.depths[:, P - 1 :]), policy
+
+
 def test_schedule_table_and_errors():
     assert set(STEP_SCHEDULES) == {"unit", "taps"}
     assert isinstance(build_step_schedule(None), UnitStep) and isinstance(build_step_schedule("taps"), TAPS)

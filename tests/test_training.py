@@ -10,6 +10,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from references import direct_kl_to_prior, hand_decider_loss, next_token_ce
 from transformers import TrainerCallback
 
 import retrofit
@@ -30,8 +31,6 @@ from retrofit.training import (
     RetrofitSFTTrainer,
     format_sft_dataset,
 )
-
-from references import direct_kl_to_prior, hand_decider_loss, next_token_ce
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +55,9 @@ def make_model(method="tah2", max_depth=2, seed=0, **loop):
     if method.startswith("anira"):
         loop = {"prelude": 1, "core": 4, **loop}
     torch.manual_seed(seed)  # the heads' init draws from the global RNG
-    return retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=max_depth, method=method, **loop))
+    return retrofit.convert(
+        tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=max_depth, method=method, **loop)
+    )
 
 
 def make_args(tmp_path, **kw):
@@ -105,7 +106,10 @@ def test_config_defaults_and_validation(tmp_path):
     assert args.ddp_find_unused_parameters is True
     lc = args.loss_config
     assert (lc.alpha_d, lc.rho, lc.decider_weighting) == (0.05, 0.99, "distance")
-    assert RetrofitSFTConfig(output_dir=str(tmp_path), use_cpu=True, rho=1.0, decider_weighting="uniform").loss_config.rho == 1.0
+    assert (
+        RetrofitSFTConfig(output_dir=str(tmp_path), use_cpu=True, rho=1.0, decider_weighting="uniform").loss_config.rho
+        == 1.0
+    )
     for bad, match in [
         (dict(rho=1.5), "rho"),
         (dict(decider_weighting="squared"), "decider_weighting"),
@@ -187,7 +191,9 @@ def test_trainer_rejects_a_plain_model(tmp_path):
     with pytest.raises(TypeError, match="RetrofitSFTConfig"):
         from trl import SFTConfig
 
-        RetrofitSFTTrainer(make_model(), SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False), train_dataset=make_dataset())
+        RetrofitSFTTrainer(
+            make_model(), SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False), train_dataset=make_dataset()
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,11 +254,29 @@ def test_loss_weights_live_in_the_model_config(tmp_path):
 # metrics
 # ------------------------------------------------------------------------------------------------
 def test_metrics_are_logged_to_tensorboard(tmp_path):
-    tr = make_trainer(tmp_path, "tah2", max_steps=2, report_to="tensorboard", eval_dataset=make_dataset(8), eval_strategy="steps", eval_steps=2)
+    tr = make_trainer(
+        tmp_path,
+        "tah2",
+        max_steps=2,
+        report_to="tensorboard",
+        eval_dataset=make_dataset(8),
+        eval_strategy="steps",
+        eval_steps=2,
+    )
     tr.train()
     logs = [h for h in tr.state.log_history if "loss" in h]
-    for key in ("ntp_loss", "aux_loss", "mean_depth", "mean_depth_answer", "depth_frac_1", "depth_frac_2",
-                "decider_loss", "kappa", "continue_label_rate", "mean_token_accuracy"):
+    for key in (
+        "ntp_loss",
+        "aux_loss",
+        "mean_depth",
+        "mean_depth_answer",
+        "depth_frac_1",
+        "depth_frac_2",
+        "decider_loss",
+        "kappa",
+        "continue_label_rate",
+        "mean_token_accuracy",
+    ):
         assert key in logs[0], key
     for h in logs:
         assert h["depth_frac_1"] + h["depth_frac_2"] == pytest.approx(1.0)
@@ -281,8 +305,16 @@ def test_gradient_accumulation_matches_a_big_batch(tmp_path):
     """batch 4 × accumulation 1 = batch 1 × accumulation 4 (token-weighted NLL, fixed method)."""
     params = []
     for bs, ga in [(4, 1), (1, 4)]:
-        tr = make_trainer(tmp_path / f"{bs}x{ga}", "fixed", max_steps=1, per_device_train_batch_size=bs,
-                          gradient_accumulation_steps=ga, learning_rate=1e-2, optim="sgd", max_grad_norm=0)
+        tr = make_trainer(
+            tmp_path / f"{bs}x{ga}",
+            "fixed",
+            max_steps=1,
+            per_device_train_batch_size=bs,
+            gradient_accumulation_steps=ga,
+            learning_rate=1e-2,
+            optim="sgd",
+            max_grad_norm=0,
+        )
         tr.train()
         params.append(torch.cat([p.detach().flatten() for p in tr.model.parameters()]))
     assert torch.allclose(params[0], params[1], atol=1e-6)

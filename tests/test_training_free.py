@@ -101,8 +101,15 @@ def test_a_model_at_init_exits_at_depth_two(policy):
         out = model(IDS, exit_policy=policy, exit_threshold=1e-4)
     assert bool((out.depths == 2).all())
     tok = char_tokenizer()
-    gen = model.generate(**tok(["hello"], return_tensors="pt"), max_new_tokens=4, do_sample=False, pad_token_id=0,
-                         exit_policy=policy, exit_threshold=1e-4, return_dict_in_generate=True)
+    gen = model.generate(
+        **tok(["hello"], return_tensors="pt"),
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=0,
+        exit_policy=policy,
+        exit_threshold=1e-4,
+        return_dict_in_generate=True,
+    )
     assert bool((gen.depths == 2).all())
 
 

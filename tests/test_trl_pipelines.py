@@ -36,14 +36,13 @@ import importlib.util
 
 import pytest
 import torch
+from references import direct_kl_to_prior, hand_decider_loss
 
 import retrofit
 from retrofit import LoopConfig, convert
 from retrofit.modeling import LOOPED_CLASSES, LoopedForCausalLM
-from retrofit.trl_fused import fused_outputs_from_logits
 from retrofit.testing import char_tokenizer, tiny_base
-
-from references import direct_kl_to_prior, hand_decider_loss
+from retrofit.trl_fused import fused_outputs_from_logits
 
 HAS_CACHE_GENERATION = importlib.util.find_spec("retrofit.generation") is not None
 TRAIN_KW = {
@@ -130,7 +129,6 @@ def test_fused_outputs_match_trl_kernel_on_a_plain_model():
     assert torch.equal(ours.is_top1.bool(), ref.is_top1.bool()) and torch.equal(ours.label_mask, ref.label_mask)
 
 
-
 def test_fix_scores_the_looped_model(looped_trl):
     from trl.trainer.utils import add_fused_lm_head
 
@@ -188,9 +186,17 @@ def test_grpo_trains_the_looped_model(tmp_path, looped_trl, method):
     before = snapshot(m)
     # GRPO's regular (non-vLLM) path calls generate() with the model in *train* mode; retrofit's
     # cached decoding is inference-only, so generation runs the full forward per step here
-    args = GRPOConfig(output_dir=str(tmp_path), num_generations=4, max_completion_length=4, use_vllm=False,
-                      generation_kwargs={"use_cache": False}, **TRAIN_KW)
-    tr = GRPOTrainer(model=m, reward_funcs=reward_len, args=args, train_dataset=prompts_ds(), processing_class=char_tokenizer())
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        num_generations=4,
+        max_completion_length=4,
+        use_vllm=False,
+        generation_kwargs={"use_cache": False},
+        **TRAIN_KW,
+    )
+    tr = GRPOTrainer(
+        model=m, reward_funcs=reward_len, args=args, train_dataset=prompts_ds(), processing_class=char_tokenizer()
+    )
     out = tr.train()
     assert torch.isfinite(torch.tensor(out.training_loss))
     names = changed(m, before)
@@ -207,8 +213,9 @@ def test_dpo_trains_the_looped_model_from_a_path(tmp_path, looped_trl):
     src = tmp_path / "looped"
     tiny_looped("tah2").save_pretrained(src)
     char_tokenizer().save_pretrained(src)
-    ds = Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"], "chosen": ["xy", "zz", "aa", "bb"],
-                            "rejected": ["qq", "rr", "ss", "tt"]})
+    ds = Dataset.from_dict(
+        {"prompt": ["ab", "cd", "ef", "gh"], "chosen": ["xy", "zz", "aa", "bb"], "rejected": ["qq", "rr", "ss", "tt"]}
+    )
     args = DPOConfig(output_dir=str(tmp_path / "out"), max_length=32, **TRAIN_KW)
     tr = DPOTrainer(model=str(src), args=args, train_dataset=ds, processing_class=char_tokenizer())
     assert isinstance(tr.model, retrofit.LoopedLlamaForCausalLM)
@@ -246,8 +253,7 @@ def test_sft_trains_the_looped_model(tmp_path, looped_trl, as_path):
     batch = next(iter(tr.get_train_dataloader()))
     with torch.no_grad():
         trl_loss = tr.compute_loss(model, dict(batch))
-        own = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                    labels=batch["labels"])
+        own = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"])
     assert own.aux_loss is not None and own.aux_loss > 0
     torch.testing.assert_close(trl_loss, own.loss, rtol=1e-5, atol=1e-5)
     before = snapshot(model)
@@ -345,23 +351,36 @@ def _trainer(kind, method, tmp_path):
     elif kind == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        ds = Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"], "chosen": ["xyz", "zzq", "aab", "bbc"],
-                                "rejected": ["qqr", "rrs", "sst", "ttu"]})
+        ds = Dataset.from_dict(
+            {
+                "prompt": ["ab", "cd", "ef", "gh"],
+                "chosen": ["xyz", "zzq", "aab", "bbc"],
+                "rejected": ["qqr", "rrs", "sst", "ttu"],
+            }
+        )
         import copy
 
         ref = copy.deepcopy(m).eval()
-        tr = DPOTrainer(model=m, ref_model=ref, args=DPOConfig(max_length=32, **kw), train_dataset=ds,
-                        processing_class=tok)
+        tr = DPOTrainer(
+            model=m, ref_model=ref, args=DPOConfig(max_length=32, **kw), train_dataset=ds, processing_class=tok
+        )
         inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
-        fwd = {k: v for k, v in inputs.items() if k not in ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")}
+        fwd = {
+            k: v for k, v in inputs.items() if k not in ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
+        }
         labels = inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, -100)
     else:
         from trl import GRPOConfig, GRPOTrainer
 
-        args = GRPOConfig(num_generations=4, max_completion_length=4, use_vllm=False, beta=0.0,
-                          generation_kwargs={"use_cache": False}, **kw)
-        tr = GRPOTrainer(model=m, reward_funcs=reward_len, args=args, train_dataset=prompts_ds(),
-                         processing_class=tok)
+        args = GRPOConfig(
+            num_generations=4,
+            max_completion_length=4,
+            use_vllm=False,
+            beta=0.0,
+            generation_kwargs={"use_cache": False},
+            **kw,
+        )
+        tr = GRPOTrainer(model=m, reward_funcs=reward_len, args=args, train_dataset=prompts_ds(), processing_class=tok)
         tr.current_gradient_accumulation_steps = 1  # set by the training loop
         inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)

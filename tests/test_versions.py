@@ -35,8 +35,16 @@ def test_installed_versions_pass():
 
 @pytest.mark.parametrize(
     "package, version",
-    [("transformers", "4.57.1"), ("transformers", "6.0.0"), ("transformers", "6.0.0.dev0"), ("trl", "0.29.0"),
-     ("trl", "2.0.0"), ("peft", "0.16.0"), ("peft", "1.0.0"), ("transformers", "not-a-version")],
+    [
+        ("transformers", "4.57.1"),
+        ("transformers", "6.0.0"),
+        ("transformers", "6.0.0.dev0"),
+        ("trl", "0.29.0"),
+        ("trl", "2.0.0"),
+        ("peft", "0.16.0"),
+        ("peft", "1.0.0"),
+        ("transformers", "not-a-version"),
+    ],
 )
 def test_out_of_range_raises_with_a_clear_message(package, version):
     with pytest.raises(UnsupportedVersionError) as e:
@@ -47,8 +55,10 @@ def test_out_of_range_raises_with_a_clear_message(package, version):
     assert SKIP_ENV in msg and "pip install" in msg
 
 
-@pytest.mark.parametrize("package, version", [("transformers", "5.0.0rc1"), ("transformers", "5.99"), ("peft", "0.17.0"),
-                                              ("trl", "1.0.0"), ("trl", None)])
+@pytest.mark.parametrize(
+    "package, version",
+    [("transformers", "5.0.0rc1"), ("transformers", "5.99"), ("peft", "0.17.0"), ("trl", "1.0.0"), ("trl", None)],
+)
 def test_in_range_or_missing_passes(package, version):
     assert check_versions(versions={**OK, package: version}) == []
 
@@ -75,7 +85,11 @@ def test_check_reads_installed_versions(monkeypatch):
 def test_setup_cfg_declares_the_same_ranges():
     cfg = configparser.ConfigParser()
     cfg.read(Path(retrofit.__file__).resolve().parent.parent / "setup.cfg")
-    reqs = {Requirement(line).name: Requirement(line) for line in cfg["options"]["install_requires"].split("\n") if line.strip()}
+    reqs = {
+        Requirement(line).name: Requirement(line)
+        for line in cfg["options"]["install_requires"].split("\n")
+        if line.strip()
+    }
     for package, (lo, hi) in SUPPORTED.items():
         spec = reqs[package].specifier
         assert spec.contains(lo) and not spec.contains(hi), f"setup.cfg {package}{spec} vs versions.py {lo}..{hi}"
@@ -92,9 +106,18 @@ def test_import_fails_early_on_an_untested_major(tmp_path):
         "print('imported')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != SKIP_ENV}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False
+    )
     assert r.returncode != 0 and "UnsupportedVersionError" in r.stderr
     assert "transformers 6.0.0 is installed, but retrofit supports transformers>=5.0,<6" in r.stderr
-    r = subprocess.run([sys.executable, "-c", code], env={**env, SKIP_ENV: "1"}, capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, SKIP_ENV: "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
     assert r.returncode == 0 and "imported" in r.stdout, r.stderr

@@ -1,4 +1,5 @@
-"""Per-token analyses behind ``retrofit eval`` (docs/tah2.md, docs/exits.md, docs/evaluation.md): pure functions on arrays.
+"""Per-token analyses behind ``retrofit eval``: pure functions on arrays (docs/tah2.md, docs/exits.md,
+docs/evaluation.md).
 
 Nothing here runs a model. The runner (:mod:`retrofit.evaluation.runner`) does the forwards and
 hands the per-token arrays to these functions; keeping them model-free makes every alignment and

@@ -98,10 +98,8 @@ def _css(max_depth: int) -> str:
         ".tok{border-radius:3px;padding:1px 0;}",
         ".tok.d0{background:transparent;color:#888;}",
         ".nl{opacity:.45;}",
-        ".legend{display:flex;flex-wrap:wrap;gap:.4em;align-items:center;margin:.5em 0 1.2em 0;"
-        "font-size:.9em;}",
-        ".swatch{display:inline-block;padding:2px 10px;border-radius:3px;"
-        "font-family:ui-monospace,monospace;}",
+        ".legend{display:flex;flex-wrap:wrap;gap:.4em;align-items:center;margin:.5em 0 1.2em 0;font-size:.9em;}",
+        ".swatch{display:inline-block;padding:2px 10px;border-radius:3px;font-family:ui-monospace,monospace;}",
     ]
     for d in range(1, max_depth + 1):
         bg, fg = depth_color(d, max_depth)
@@ -110,12 +108,8 @@ def _css(max_depth: int) -> str:
 
 
 def _legend(max_depth: int) -> str:
-    swatches = "".join(
-        f'<span class="swatch d{d}" title="depth {d}">{d}</span>' for d in range(1, max_depth + 1)
-    )
-    return (
-        f'<div class="legend"><span>exit depth:</span>{swatches}<span>(shallow → deep)</span></div>'
-    )
+    swatches = "".join(f'<span class="swatch d{d}" title="depth {d}">{d}</span>' for d in range(1, max_depth + 1))
+    return f'<div class="legend"><span>exit depth:</span>{swatches}<span>(shallow → deep)</span></div>'
 
 
 def _token_span(token: str, depth: int) -> str:
@@ -137,10 +131,7 @@ def _sample_html(tokens: Sequence[str], depths: list[int], max_depth: int, title
     )
     head = f"<h2>{_html.escape(title)}</h2>" if title else ""
     body = "".join(_token_span(str(t), d) for t, d in zip(tokens, depths))
-    return (
-        f'<div class="sample">{head}<div class="meta">{meta}</div>'
-        f'<div class="text">{body}</div></div>'
-    )
+    return f'<div class="sample">{head}<div class="meta">{meta}</div><div class="text">{body}</div></div>'
 
 
 def _page(sections: list[str], max_depth: int, page_title: str, legend: bool) -> str:

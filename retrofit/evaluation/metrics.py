@@ -204,8 +204,7 @@ def linear_regression(X: Any, y: Any, feature_names: Sequence[str]) -> dict[str,
     return {
         "coefficients": {name: float(b) for name, b in zip(names, beta[1:])},
         "standardized_coefficients": {
-            name: (float(b * s / sy) if sy > 0 else float("nan"))
-            for name, b, s in zip(names, beta[1:], sx)
+            name: (float(b * s / sy) if sy > 0 else float("nan")) for name, b, s in zip(names, beta[1:], sx)
         },
         "intercept": float(beta[0]),
         "r2": _r2(ya, fitted),
@@ -222,9 +221,7 @@ def _sorted_levels(values: Iterable[Hashable]) -> list[Hashable]:
         return sorted(levels, key=str)
 
 
-def regression_with_control(
-    X: Any, y: Any, feature_names: Sequence[str], groups: Any
-) -> dict[str, Any]:
+def regression_with_control(X: Any, y: Any, feature_names: Sequence[str], groups: Any) -> dict[str, Any]:
     """OLS with categorical fixed effects: ``y ≈ a + X @ b + Σ_g γ_g · 1[group = g]``.
 
     Controls for a categorical variable (BREVO: node count N) by one-hot dummies for every
@@ -399,9 +396,7 @@ def cost_exec(depths: Any, mask: Any = None, max_depth: int | None = None) -> di
     if D < 1:
         raise ValueError(f"max_depth must be >= 1, got {max_depth}")
     if d.size and (d.min() < 1 or d.max() > D):
-        raise ValueError(
-            f"valid depths must lie in 1..{D} (1-based), got min {d.min()} max {d.max()}"
-        )
+        raise ValueError(f"valid depths must lie in 1..{D} (1-based), got min {d.min()} max {d.max()}")
     hist = np.bincount(d, minlength=D + 1)[1 : D + 1]
     # |A_d| = number of tokens with depth >= d: reverse cumulative sum of the histogram.
     active = np.cumsum(hist[::-1])[::-1]

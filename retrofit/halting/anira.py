@@ -118,9 +118,7 @@ class AniraEarly(HaltingMethod):
         """``γ · L_C`` over all non-padding tokens; ``log q`` from the raw depth logits (stable)."""
         if outputs.depth_probs is None:  # a forced depth: no decision was made
             return None
-        return _prior_loss(
-            outputs.depth_probs, outputs.depth_logits_q.float().log_softmax(-1), attention_mask, cfg
-        )
+        return _prior_loss(outputs.depth_probs, outputs.depth_logits_q.float().log_softmax(-1), attention_mask, cfg)
 
 
 class AniraOnline(HaltingMethod):

@@ -72,8 +72,15 @@ class DepthCombiner:
     e.g. ``[B, T]``, or ``[N]`` for a serving engine's tokens); all state is per token.
     """
 
-    def add(self, d: int, z: torch.Tensor, logp: torch.Tensor | None, active: torch.Tensor, stop: torch.Tensor,
-            signal: torch.Tensor | None) -> None:
+    def add(
+        self,
+        d: int,
+        z: torch.Tensor,
+        logp: torch.Tensor | None,
+        active: torch.Tensor,
+        stop: torch.Tensor,
+        signal: torch.Tensor | None,
+    ) -> None:
         """Depth ``d``'s logits ``z [..., V]`` (``logp``: their log-softmax, when already computed).
 
         ``active``: the token executed depth ``d``; ``stop``: it exits at ``d``; ``signal``: the
@@ -147,7 +154,9 @@ class HaltingMethod(nn.Module):
         """Extra forward keyword arguments for one training step (``cfg``: the trainer's config)."""
         return {}
 
-    def loss(self, outputs, labels: torch.Tensor, cfg: LossConfig, attention_mask: torch.Tensor | None = None) -> AuxLoss | None:
+    def loss(
+        self, outputs, labels: torch.Tensor, cfg: LossConfig, attention_mask: torch.Tensor | None = None
+    ) -> AuxLoss | None:
         """The method's weighted auxiliary loss for one batch, or ``None`` (plain next-token loss).
 
         Args:

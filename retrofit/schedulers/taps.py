@@ -87,7 +87,9 @@ class TAPS(StepSchedule):
 
     name = "taps"
 
-    def __init__(self, beta: float = 0.5, gain: float = 0.5, eta_min: float = 0.5, eta_max: float = 1.5, eps: float = 1e-12):
+    def __init__(
+        self, beta: float = 0.5, gain: float = 0.5, eta_min: float = 0.5, eta_max: float = 1.5, eps: float = 1e-12
+    ):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"beta must lie in [0, 1), got {beta!r}")
         if gain < 0:

@@ -69,7 +69,8 @@ class LoopSpecError(ValueError):
 
 @dataclass(frozen=True)
 class LoopSpec:
-    """What serving needs from ``config.loop`` (docs/looped-model.md, docs/tah2.md, docs/anira.md), resolved against the model.
+    """What serving needs from ``config.loop``, resolved against the model (docs/looped-model.md, docs/tah2.md,
+    docs/anira.md).
 
     Attributes:
         prelude / core / coda: layer index ranges.
