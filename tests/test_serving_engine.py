@@ -24,9 +24,10 @@ TOK = char_tokenizer()
 WORDS = ["hello world", "hi", "abc def g", "x", "the quick brown fox", "12 + 7 =", "looped", "q"]
 
 
-def looped(family="llama", method="fixed", split="whole", attention=None, max_depth=3, head_seed=1, scale=0.5):
+def looped(family="llama", method="fixed", split="whole", attention=None, max_depth=3, head_seed=1, scale=0.5,
+           **loop_kw):
     """A tiny looped model with random (perturbed) heads, so that exits really mix across tokens."""
-    loop = LoopConfig(max_depth=max_depth, method=method, attention=attention, **SPLITS[split])
+    loop = LoopConfig(max_depth=max_depth, method=method, attention=attention, **SPLITS[split], **loop_kw)
     model = convert(tiny_base(family, seed=0), loop)
     g = torch.Generator().manual_seed(head_seed)
     with torch.no_grad():
@@ -217,6 +218,17 @@ def test_greedy_tokens_equal_generate_alone(family, method, split, head_seed, at
     seen = check_against_generate(model, eng, reqs, handles)
     assert len(seen) > 1, "the trace needs mixed exit depths"
     assert any(h.finish_reason == "cancelled" for h in handles)
+
+
+def test_tah2_exit_depth_output_ablation_equals_generate():
+    """TaH2 with ``mixture_output=False``: the engine's combiner is the exit depth's logits (``ExitLogits``),
+    for every exit rule, token for token as ``generate``."""
+    model = looped("llama", "tah2", "whole", head_seed=3, mixture_output=False)
+    assert not model.halting.mixture_output
+    reqs = random_requests(random.Random(5), list(EXITS.values()), n=8, cancel=2)
+    eng, handles = run_trace(model, reqs)
+    seen = check_against_generate(model, eng, reqs, handles)
+    assert len(seen) > 1, "the trace needs mixed exit depths"
 
 
 def test_core_runs_once_per_step_on_rows_of_every_depth():

@@ -1,27 +1,35 @@
 """The one place where the serving engine calls method-specific code: core input, step schedule, decider,
 exit rule and the output combination (TaH2's mixture).
 
-The engine batches rows of many sequences, each at its own depth, into one core call; every primitive
-here is elementwise over tokens, so it applies to any set of rows (METHODS.md §1–6):
+The engine batches rows of many sequences, each at its own depth, into one core call; every primitive of
+the depth loop is elementwise over tokens, so the engine calls the loop's own pieces (METHODS.md §1–6):
 
-- **core input**: ``x = e`` at depth 1, ``updater(e, h)`` after;
-- **step schedule**: ``schedule.step(d, h_prev, raw, state, idx)`` per depth (TAPS keeps per-token
-  statistics under the engine's row slots, reset when a slot takes a new token);
-- **decider**: the halting method's own ``plan`` (ANIRA-E, on the prelude output) and ``step`` (TaH2's
-  continue probability from ``[e; h; top-K probs]``, ANIRA-O's halting probability with its cumulative
-  mass kept per row);
-- **exit rule**: a forced depth (``depth=k``), a training-free policy (``kl``/``state``,
-  ``retrofit.halting.training_free``, per-token memory under row slots), or the decider;
-- **output**: TaH2's streaming mixture ``log Σ_d π_d softmax(z_d)`` (kept per sequence for its last
-  token), or the exit depth's readout.
+- **core input**: ``retrofit.loop.core_input`` (``e`` at depth 1, ``updater(e, h)`` after);
+- **step schedule**: ``schedule.step(d, h_prev, raw, state, idx)`` per depth, its state from
+  ``schedule.init`` under the engine's row slots (TAPS' statistics are reset when a slot takes a new token);
+- **decider**: the halting method's own ``new_context`` / ``plan`` / ``step`` (ANIRA-E's plan on the
+  prelude output, TaH2's continue probability, ANIRA-O's halting probability); the method's per-token
+  context (``ctx.extra``: ANIRA-O's cumulative mass and quantile) is kept under row slots (``SlotStore``);
+- **exit rule**: ``retrofit.loop.ForcedExit`` (``depth=k``), ``PolicyExit`` (``kl``/``state``, its
+  per-token memory keyed by row slot) or ``DeciderExit``;
+- **output**: the method's ``combiner(ctx)`` (TaH2's ``DepthMixture``), or ``ExitLogits`` for a forced
+  depth, kept per sequence slot for its last token (``SlotCombiners``).
+
+Thin adapters, and why they exist: the loop keeps a call's per-token state in Python objects that live
+for one forward over a fixed ``[B, T]`` token set; the engine's tokens enter and leave row slots at every
+step and reach each depth in different steps. ``SlotStore`` keeps such per-token tensors under slots
+between calls; ``Rows`` is the loop's ``Run`` view of a set of engine rows (what ``PolicyExit`` reads).
+The loop's rules and schedules take one depth ``d`` per call, so rows are grouped by depth where a
+primitive compares with the previous depth (TAPS, training-free policies, the combiners).
+
+Not shared, on purpose: the engine's KV layout (``retrofit.serving.kv``: paged pools keyed by
+(sequence, depth) slots, written by many sequences at once) and its layer calls (``layers.py``) do not fit
+the loop's ``backends`` (one ``[B, T]`` batch per call, a ``DepthKVCache`` per batch); and the engine
+drives its own iteration over depths (one depth per row per step), so it does not call ``run_depth_loop``.
 
 Each rule reproduces the looped model's cached decode (``retrofit.loop.run_depth_loop``) token by token:
 under a training-free exit TaH2's decider still runs, because its continue probabilities weight the
 mixture; under a forced depth no decider runs and the output is the exit depth's readout.
-
-After ``loop`` is merged, the ``retrofit.loop`` primitives replace the bodies here one for one
-(``core_input``, ``ForcedExit``/``DeciderExit``/``PolicyExit``, ``method.combiner`` / ``DepthMixture``);
-the engine does not change.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..halting.base import ExitLogits
 from ..halting.training_free import ExitPolicy, resolve_exit_policy
+from ..loop import DeciderExit, ForcedExit, PolicyExit, core_input
 from ..schedulers import TAPS, build_step_schedule
 
 
@@ -53,6 +63,94 @@ class ExitSpec:
     schedule: str = "unit"
 
 
+class SlotStore:
+    """Per-token tensors kept under engine slots between calls (each buffer ``[n_slots, ...]``).
+
+    Exists because the loop's per-token state (a ``HaltContext``'s ``extra``, a ``DepthCombiner``'s
+    attributes) lives for one forward over fixed tokens, while an engine token keeps its slot across steps.
+    """
+
+    def __init__(self, n_slots: int, device):
+        self.n, self.device = n_slots, device
+        self.bufs: dict[str, torch.Tensor] = {}
+
+    def save(self, slots: torch.Tensor, values: dict) -> None:
+        """Store the tensor entries of ``values`` (leading dim = ``slots``) under ``slots``."""
+        for k, v in values.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            buf = self.bufs.get(k)
+            if buf is None:
+                buf = self.bufs[k] = v.new_zeros(self.n, *v.shape[1:])
+            buf[slots] = v
+
+    def load(self, slots: torch.Tensor) -> dict:
+        """What was stored for ``slots``, by name."""
+        return {k: b[slots] for k, b in self.bufs.items()}
+
+
+class Rows:
+    """The loop's ``Run`` view of engine rows: ``idx`` (row slots: stable per token), one value per row."""
+
+    def __init__(self, idx: torch.Tensor):
+        self.idx, self.N = idx, int(idx.numel())
+
+    def expand(self, vals: torch.Tensor, fill) -> torch.Tensor:
+        return vals
+
+
+class SlotCombiners:
+    """The output combination of each sequence's last token, kept under sequence slots.
+
+    Per call the combiner (the method's ``combiner(ctx)`` when the output mixes, else ``ExitLogits``) is
+    rebuilt over the given slots from its stored state (fresh at depth 1), called, and its state stored
+    back: the math is the combiner's own (``retrofit.halting.tah2.DepthMixture``).
+    """
+
+    def __init__(self, method, n_slots: int, device):
+        self.method = method
+        self.kind = torch.zeros(n_slots, dtype=torch.bool, device=device)  # True: the method's combiner
+        self.stores = {True: SlotStore(n_slots, device), False: SlotStore(n_slots, device)}
+
+    def _new(self, mix: bool):
+        return self.method.combiner(self.method.new_context(False)) if mix else ExitLogits()
+
+    def _load(self, mix: bool, slots: torch.Tensor):
+        comb = self._new(mix)
+        for k, v in self.stores[mix].load(slots).items():
+            setattr(comb, k, v)
+        return comb
+
+    def add(self, seqs, depth, z, stop, signal, mix: bool) -> None:
+        """Depth ``depth [n]`` of sequences ``seqs [n]``: logits ``z [n, V]``, ``stop [n]``, ``signal [n]``
+        (the decider's continue probability; NaN where it made no decision, e.g. at ``D``), one call of the
+        combiner per depth."""
+        self.kind[seqs] = mix
+        for d in depth.unique().tolist():
+            sel = depth == d
+            s = seqs[sel]
+            comb = self._new(mix) if d == 1 else self._load(mix, s)
+            sig = None if signal is None else signal[sel]
+            if sig is not None and bool(torch.isnan(sig).all()):
+                sig = None
+            comb.add(d, z[sel], None, torch.ones_like(stop[sel]), stop[sel], sig)
+            self.stores[mix].save(s, vars(comb))
+
+    def logits(self, seqs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """``[n, V]`` output logits of the sequences' last tokens, given their exit depths ``[n]``."""
+        kind = self.kind[seqs]
+        out = None
+        for mix in (True, False):
+            sel = kind == mix
+            if not bool(sel.any()):
+                continue
+            part = self._load(mix, seqs[sel]).logits(depths[sel])
+            if out is None:
+                out = part.new_empty(seqs.shape[0], part.shape[-1])
+            out[sel] = part
+        return out
+
+
 class MethodAdapter:
     """Method-specific calls of the engine, over rows identified by slots ``0 … max_rows - 1``.
 
@@ -69,20 +167,15 @@ class MethodAdapter:
         self.D = self.loop.max_depth
         dev = model.lm_head.weight.device
         self.device = dev
-        # ANIRA-O: per-row cumulative halting mass, remaining mass and the inference quantile u
-        self.cdf = torch.zeros(max_rows, device=dev)
-        self.remain = torch.ones(max_rows, device=dev)
-        self.planned = torch.zeros(max_rows, dtype=torch.long, device=dev)
         self.max_rows = max_rows
+        self.planned = torch.zeros(max_rows, dtype=torch.long, device=dev)
+        self.plans = False  # the method plans its exit depth before the loop (ANIRA-E)
+        self.ctx_rows = SlotStore(max_rows, dev)  # the method's per-token context (ctx.extra)
         self.taps = TAPS()
         self.taps_state = self.taps.init(max_rows)
-        self.policy_state: dict[str, dict] = {}  # one per policy name; keyed by row slot
-        # output combination of each sequence's last token
-        V = model.config.vocab_size
-        self.V = V
+        self.policies: dict[tuple[str, float], PolicyExit] = {}  # per-token memory keyed by row slot
         self.mixture = self.method.needs_depth_readout and self.method.mixture_output
-        self._mix = None
-        self.max_seqs = max_seqs
+        self.combiners = SlotCombiners(self.method, max_seqs, dev)
 
     # -- request settings ------------------------------------------------------------------------
     def spec(self, exit_policy=None, exit_threshold=None, depth=None, step_schedule=None) -> ExitSpec:
@@ -121,26 +214,21 @@ class MethodAdapter:
     # -- rows entering -------------------------------------------------------------------------------
     def enter(self, rows: torch.Tensor, e: torch.Tensor, spec: ExitSpec) -> None:
         """New tokens take row slots ``rows`` with core input ``e`` ``[n, H]``: reset per-row state, plan."""
-        self.cdf[rows] = 0.0
-        self.remain[rows] = 1.0
         if "m" in self.taps_state:
             self.taps_state["m"][rows] = 0.0
             self.taps_state["S"][rows] = 0.0
-        if spec.rule == "forced":
-            self.planned[rows] = spec.depth
-        elif spec.rule == "decider":
+        self.planned[rows] = spec.depth if spec.rule == "forced" else 0
+        if self.runs_decider(spec):
             ctx = self.method.new_context(False)
-            plan = self.method.plan(e[:, None], ctx)
-            self.planned[rows] = 0 if plan is None else plan[:, 0].to(torch.long)
-        else:
-            self.planned[rows] = 0
+            plan = self.method.plan(e[:, None], ctx)  # [n, 1] tokens: the loop's [B, T] with T = 1
+            if plan is not None:
+                self.plans = True
+                self.planned[rows] = plan[:, 0].to(torch.long)
+            self.ctx_rows.save(rows, ctx.extra)
 
     def core_input(self, e: torch.Tensor, h: torch.Tensor, first: torch.Tensor, any_first: bool, all_first: bool):
         """``e`` at depth 1, ``updater(e, h)`` after: ``[n, H]`` (``first`` ``[n]`` bool)."""
-        if all_first:
-            return e
-        x = self.model.updater(e, h)
-        return torch.where(first[:, None], e, x) if any_first else x
+        return core_input(self.model.updater, e, h, True if all_first else (first if any_first else False))
 
     def relax(
         self,
@@ -180,61 +268,41 @@ class MethodAdapter:
         Returns:
             ``(cont [n] bool, signal [n] float or None)``; ``signal`` is TaH2's continue probability.
         """
-        cont = None
-        signal = None
+        cont = signal = None
         if self.runs_decider(spec):
             ctx = self.method.new_context(False)
-            probs = None
-            if self.method.needs_depth_readout:
-                probs = z.float().softmax(-1)[:, None]
-            if self.method.name == "anira-o":
-                ctx.extra["cdf"], ctx.extra["remain"] = self.cdf[rows][:, None], self.remain[rows][:, None]
-                ctx.extra["u"] = torch.full_like(ctx.extra["cdf"], self.loop.halt_threshold)
+            ctx.extra.update(self.ctx_rows.load(rows))
+            probs = z.float().softmax(-1)[:, None] if self.method.needs_depth_readout else None
             c = self.method.step(0, e[:, None], h[:, None], probs, ctx)  # (d is unused by the methods' step)
-            if self.method.name == "anira-o":
-                self.cdf[rows] = ctx.extra["cdf"][:, 0]
-                self.remain[rows] = ctx.extra["remain"][:, 0]
+            self.ctx_rows.save(rows, ctx.extra)
             if ctx.signals and self.method.needs_depth_readout:
                 signal = ctx.signals[-1][:, 0]
             if c is not None:
                 cont = c[:, 0]
+        act = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
         if spec.rule == "forced":
-            cont = self.planned[rows] > depth
-        elif spec.rule == "policy":
-            cont = self._policy(rows, depth, h, z, spec)
-        else:
-            planned = self.planned[rows]
-            if self.method.name == "anira-e":
-                cont = planned > depth
-            elif cont is None:
-                cont = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
-        return cont, signal
+            # elementwise in the depth: ``depth`` [n] compares per row
+            return ForcedExit(self.planned[rows]).decide(depth, None, act, None, None, None), signal
+        if spec.rule == "policy":
+            return self._policy(rows, depth, h, z, spec), signal
+        rule = DeciderExit()
+        rule.start(rows.shape[0], self.planned[rows] if self.plans else None)
+        return rule.decide(depth, cont, act, None, None, None), signal
 
     def _policy(self, rows, depth, h, z, spec: ExitSpec) -> torch.Tensor:
-        _, policy = resolve_exit_policy(spec.policy, spec.threshold, None)
-        state = self.policy_state.setdefault(spec.policy, policy.init(self.max_rows))
-        stop = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-        lp_all = z.float().log_softmax(-1) if policy.needs_logits else None
+        rule = self.policies.get((spec.policy, spec.threshold))
+        if rule is None:
+            rule = PolicyExit(resolve_exit_policy(spec.policy, spec.threshold, None)[1])
+            rule.start(self.max_rows, None)
+            self.policies[(spec.policy, spec.threshold)] = rule
+        cont = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
         for d in depth.unique().tolist():  # the policies compare with the previous depth: one call per depth
             sel = depth == d
-            lp = lp_all[sel] if lp_all is not None else None
-            stop[sel] = policy.check(d, h[sel], lp, state, rows[sel])
-        return ~stop
+            zs = z[sel] if rule.needs_logits else None
+            cont[sel] = rule.decide(d, None, cont[sel], Rows(rows[sel]), h[sel], zs)
+        return cont
 
     # -- output combination (per sequence slot) ------------------------------------------------------
-    def _mix_state(self, dtype):
-        if self._mix is None:
-            S, V = self.max_seqs, self.V
-            self._mix = {
-                "survive": torch.ones(S, device=self.device),
-                "log_mix": torch.zeros(S, V, device=self.device),
-                "lse_exit": torch.zeros(S, device=self.device),
-                "z_exit": torch.zeros(S, V, dtype=dtype, device=self.device),
-                "first": torch.zeros(S, dtype=torch.bool, device=self.device),
-                "mix": torch.zeros(S, dtype=torch.bool, device=self.device),
-            }
-        return self._mix
-
     def combine_add(
         self, seqs: torch.Tensor, depth: torch.Tensor, z: torch.Tensor, stop: torch.Tensor, signal: torch.Tensor | None,
         mix: bool | None = None,
@@ -242,41 +310,12 @@ class MethodAdapter:
         """Depth ``depth`` of each sequence's last token: logits ``z`` ``[n, V]``, ``stop`` ``[n]`` (exits
         here), ``signal`` ``[n]`` TaH2's continue probability (None at ``D``, or NaN where not decided);
         ``mix``: these sequences' output is the mixture (``mixes(spec)``; default ``self.mixture``)."""
-        st = self._mix_state(z.dtype)
         mix = self.mixture if mix is None else (mix and self.mixture)
-        st["mix"][seqs] = mix
-        first = depth == 1
-        if bool(first.any()):
-            s1 = seqs[first]
-            st["survive"][s1] = 1.0
-            st["log_mix"][s1] = float("-inf")
-        if not mix:  # a forced depth, or TaH2's "final-depth prediction only" ablation: the exit depth's logits
-            st["z_exit"][seqs[stop]] = z[stop]
-            return
-        survive = st["survive"][seqs]
-        c = signal
-        pi = survive if c is None else torch.where(stop | torch.isnan(c), survive, survive * (1 - c))
-        logp = z.float().log_softmax(-1)
-        term = pi.clamp_min(1e-30).log()[:, None] + logp
-        st["log_mix"][seqs] = torch.logaddexp(st["log_mix"][seqs], term)
-        if bool(stop.any()):
-            st["lse_exit"][seqs[stop]] = z[stop].float().logsumexp(-1)
-        # a token that exits at depth 1 returns its raw depth-1 logits (the shifted log-mixture equals
-        # them only up to rounding)
-        st["z_exit"][seqs[first]] = z[first]
-        st["first"][seqs] = False
-        st["first"][seqs[first & stop]] = True
-        if c is not None:
-            st["survive"][seqs] = torch.where(torch.isnan(c), survive, survive * c)
+        self.combiners.add(seqs, depth, z, stop, signal, bool(mix))
 
-    def combined_logits(self, seqs: torch.Tensor) -> torch.Tensor:
-        """The output logits ``[n, V]`` of the sequences' last tokens (after their exit)."""
-        st = self._mix_state(None)
-        if not self.mixture:
-            return st["z_exit"][seqs]
-        mixed = (st["log_mix"][seqs] + st["lse_exit"][seqs][:, None]).to(st["z_exit"].dtype)
-        exit_only = st["first"][seqs] | ~st["mix"][seqs]
-        return torch.where(exit_only[:, None], st["z_exit"][seqs], mixed)
+    def combined_logits(self, seqs: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """The output logits ``[n, V]`` of the sequences' last tokens, given their exit depths ``[n]``."""
+        return self.combiners.logits(seqs, depths)
 
 
-__all__ = ["ExitSpec", "MethodAdapter"]
+__all__ = ["ExitSpec", "MethodAdapter", "Rows", "SlotCombiners", "SlotStore"]

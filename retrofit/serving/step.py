@@ -268,7 +268,8 @@ class StepExecution:
         D = self.D
         seqs = torch.tensor([g.seq.slot for g in finished], device=dev)
         if self.adapter.output_from_readout:
-            logits = self.adapter.combined_logits(seqs)
+            depths = torch.tensor([g.exit_depth[-1] for g in finished], device=dev)
+            logits = self.adapter.combined_logits(seqs, depths)
         else:
             last_rows = torch.tensor([g.rows[-1] for g in finished], device=dev)
             if self.kv.has_coda:
