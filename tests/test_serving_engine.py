@@ -24,8 +24,9 @@ TOK = char_tokenizer()
 WORDS = ["hello world", "hi", "abc def g", "x", "the quick brown fox", "12 + 7 =", "looped", "q"]
 
 
-def looped(family="llama", method="fixed", split="whole", attention=None, max_depth=3, head_seed=1, scale=0.5,
-           **loop_kw):
+def looped(
+    family="llama", method="fixed", split="whole", attention=None, max_depth=3, head_seed=1, scale=0.5, **loop_kw
+):
     """A tiny looped model with random (perturbed) heads, so that exits really mix across tokens."""
     loop = LoopConfig(max_depth=max_depth, method=method, attention=attention, **SPLITS[split], **loop_kw)
     model = convert(tiny_base(family, seed=0), loop)

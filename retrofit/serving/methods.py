@@ -304,7 +304,12 @@ class MethodAdapter:
 
     # -- output combination (per sequence slot) ------------------------------------------------------
     def combine_add(
-        self, seqs: torch.Tensor, depth: torch.Tensor, z: torch.Tensor, stop: torch.Tensor, signal: torch.Tensor | None,
+        self,
+        seqs: torch.Tensor,
+        depth: torch.Tensor,
+        z: torch.Tensor,
+        stop: torch.Tensor,
+        signal: torch.Tensor | None,
         mix: bool | None = None,
     ) -> None:
         """Depth ``depth`` of each sequence's last token: logits ``z`` ``[n, V]``, ``stop`` ``[n]`` (exits
