@@ -2,7 +2,7 @@
 loss, and its config. The pieces the recipes share live next to it and are re-exported here: row
 formatting and filtering in ``retrofit.sft_data``, model loading and LoRA in ``retrofit.model_setup``.
 
-The halting methods' objectives (METHODS.md §3–4) belong to the model: with labels its forward
+The halting methods' objectives (docs/tah2.md, docs/anira.md) belong to the model: with labels its forward
 returns ``loss`` = next-token loss + the method's weighted ``aux_loss`` (``retrofit.modeling``), so
 TRL's ``SFTTrainer``/``DPOTrainer``/``GRPOTrainer`` and ``transformers.Trainer`` all optimize
 ``L_NTP(mixture) + α_D · L_D`` (TaH2), ``L_CE + γ · L_C`` (ANIRA-E/O) or ``L_NTP`` (fixed). The weights

@@ -2,7 +2,7 @@
 exit rule and the output combination (TaH2's mixture).
 
 The engine batches rows of many sequences, each at its own depth, into one core call; every primitive of
-the depth loop is elementwise over tokens, so the engine calls the loop's own pieces (METHODS.md §1–6):
+the depth loop is elementwise over tokens, so the engine calls the loop's own pieces (docs/):
 
 - **core input**: ``retrofit.loop.core_input`` (``e`` at depth 1, ``updater(e, h)`` after);
 - **step schedule**: ``schedule.step(d, h_prev, raw, state, idx)`` per depth, its state from
