@@ -90,20 +90,15 @@ def summarize(results: dict, task: str, train_levels: list[int], models: list[st
     out["paired_tests"] = {
         other: {k: c.get(k) for k in ("all", "train", "held_out") if c.get(k) is not None} for other, c in comps.items()
     }
-    out["mean_accuracy"] = {}
-    for m in models:
-        accs = [(_level(tasks[m], lv).get("accuracy"), _level(tasks[m], lv).get("n")) for lv in levels]
-        n = sum(k or 0 for _, k in accs)
-        out["mean_accuracy"][m] = {
-            "all_rows": sum((a or 0) * (k or 0) for a, k in accs) / n if n else None,
-            "train_levels": _mean([a for (a, _), lv in zip(accs, levels) if lv in train_levels]),
+    # the evaluator's pooled figures: every test row, and the rows of the training levels
+    out["mean_accuracy"] = {
+        m: {
+            "all_rows": tasks[m].get("overall", {}).get("accuracy"),
+            "train_levels": ((tasks[m].get("splits") or {}).get("train") or {}).get("accuracy"),
         }
+        for m in models
+    }
     return out
-
-
-def _mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
 
 
 def check_targets(summary: dict) -> dict[str, dict]:
@@ -141,20 +136,19 @@ def main_job_report(
     controls: dict,
     out: Path,
     script,
-    loop_args,
+    splits,
     identity_err,
     t_start: float,
     timings: dict,
-    trainer=None,
 ) -> dict:
-    """Evaluate, export and summarize (see the module docstring). Returns the summary dict."""
+    """Evaluate, export and summarize (see the module docstring). Returns the summary dict.
+
+    ``splits`` are the run's ``task_splits`` (the rows training held out are its test splits)."""
     from .evaluation import evaluate
     from .evaluation.jsonio import write_json
     from .evaluation.options import EvalOptions
     from .export import export_model
-    from .recipe import task_splits
 
-    splits = task_splits(script)
     rows, train_levels = test_rows(script, splits)
     looped.eval()
     compare = [(name, c.model, tokenizer) for name, c in controls.items()]

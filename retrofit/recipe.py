@@ -275,8 +275,10 @@ def use_chat(args: ScriptArgs, tokenizer) -> bool:
     return args.chat == "true" or (args.chat == "auto" and tokenizer.chat_template is not None)
 
 
-def load_data(args: ScriptArgs, tokenizer):
-    """-> ``(train, eval or None, reports)``: TRL prompt/completion rows and the counts of skipped rows."""
+def load_data(args: ScriptArgs, tokenizer, splits=None):
+    """-> ``(train, eval or None, reports)``: TRL prompt/completion rows and the counts of skipped rows.
+
+    ``splits``: the task's ``task_splits(args)`` when the caller already built them (``--task`` runs)."""
     import datasets
 
     from data_prep.chat import load_rows
@@ -287,7 +289,7 @@ def load_data(args: ScriptArgs, tokenizer):
         train = datasets.Dataset.from_list(load_rows(args.data_file))
         evals = datasets.Dataset.from_list(load_rows(args.eval_file)) if args.eval_file else None
     else:
-        splits = task_splits(args)
+        splits = task_splits(args) if splits is None else splits
         train = splits["train"]
         evals = splits["valid"] if "valid" in splits else None
     chat = use_chat(args, tokenizer)
@@ -411,7 +413,8 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
     model = prepare_model(model, largs)
 
     # 2. Data: prompt/completion rows; the loss covers the completion only.
-    train, evals, reports = load_data(script, tokenizer)
+    splits = None if script.data_file else task_splits(script)  # built once: training and the report's test rows
+    train, evals, reports = load_data(script, tokenizer, splits)
 
     # 3. Train and save. A NaN/inf loss stops the run before the bad update.
     out = Path(targs.output_dir)
@@ -456,11 +459,10 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
                 trained_controls,
                 out,
                 script,
-                largs,
+                splits,
                 identity_err,
                 t_start,
                 timings,
-                trainer,
             )
     return 0
 
