@@ -24,13 +24,16 @@ LORA_TARGETS: dict[str, list[str]] = {
 LORA_MODULES_TO_SAVE = ["updater", "halting"]
 
 
-def apply_lora(model: LoopedForCausalLM, r: int = 16, alpha: int = 32, dropout: float = 0.0, targets=None):
+def apply_lora(model: LoopedForCausalLM, r: int = 16, alpha: int = 32, dropout: float = 0.0, targets=None, layers=None):
     """Wrap ``model`` for LoRA: adapters on the backbone projections, updater and decider trained fully.
 
     Args:
         model: a looped model.
         r, alpha, dropout: LoRA rank, scaling numerator and dropout.
         targets: module names to adapt; default ``LORA_TARGETS[model_type]``.
+        layers: decoder-layer indices that get adapters; default all. With a frozen prelude, pass the
+            core and coda layers (``lora_layers_after_prelude``): adapters on frozen prelude layers would
+            train them anyway and take the backward through the whole stack.
 
     Returns:
         A ``peft.PeftModel``.
@@ -52,10 +55,17 @@ def apply_lora(model: LoopedForCausalLM, r: int = 16, alpha: int = 32, dropout: 
         lora_alpha=alpha,
         lora_dropout=dropout,
         target_modules=list(targets),
+        layers_to_transform=None if layers is None else sorted(int(i) for i in layers),
+        layers_pattern=None if layers is None else "layers",
         modules_to_save=list(LORA_MODULES_TO_SAVE),
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, cfg)
+
+
+def lora_layers_after_prelude(model: LoopedForCausalLM) -> list[int]:
+    """Indices of the decoder layers after the prelude (core and coda): where LoRA goes when the prelude is frozen."""
+    return list(range(model._ranges[0].stop, model.config.num_hidden_layers))
 
 
 def zero3_enabled(args=None) -> bool:

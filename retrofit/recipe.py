@@ -99,8 +99,8 @@ class LoopArgs:
     freeze_prelude: bool = field(
         default=False,
         metadata={
-            "help": "Freeze the embeddings (and a tied LM head) and the prelude layers: no backward through them. "
-            "Controls freeze the same parameters."
+            "help": "Freeze the embeddings (and a tied LM head) and the prelude layers: no backward through them "
+            "(with --lora, no adapters on them either). Controls freeze the same parameters."
         },
     )
     lora: bool = field(
@@ -329,15 +329,22 @@ def identity_check(model, base, tokenizer) -> float:
 
 def prepare_model(model, loop_args: LoopArgs):
     """Freeze and/or wrap with LoRA, as the arguments say (the same for the looped arm and controls)."""
-    from .model_setup import apply_lora
+    from .model_setup import apply_lora, lora_layers_after_prelude
 
     if loop_args.freeze_prelude:
         n = freeze_prelude(model)
         logger.info("frozen embeddings + %d prelude layers; %.1fM parameters train", len(model.prelude_layers), n / 1e6)
     if loop_args.lora:
         targets = loop_args.lora_targets.split(",") if loop_args.lora_targets else None
+        # a frozen prelude gets no adapters either: they would train it and take the backward through it
+        layers = lora_layers_after_prelude(model) if loop_args.freeze_prelude else None
         model = apply_lora(
-            model, r=loop_args.lora_r, alpha=loop_args.lora_alpha, dropout=loop_args.lora_dropout, targets=targets
+            model,
+            r=loop_args.lora_r,
+            alpha=loop_args.lora_alpha,
+            dropout=loop_args.lora_dropout,
+            targets=targets,
+            layers=layers,
         )
     return model
 

@@ -64,7 +64,14 @@ from .config import LOSS_FIELDS
 from .errors import RetrofitUserError
 from .halting.base import AuxLoss, LossConfig
 from .halting.tah2 import next_token_mask
-from .model_setup import LORA_MODULES_TO_SAVE, LORA_TARGETS, apply_lora, build_looped_model, zero3_enabled  # noqa: F401
+from .model_setup import (  # noqa: F401
+    LORA_MODULES_TO_SAVE,
+    LORA_TARGETS,
+    apply_lora,
+    build_looped_model,
+    lora_layers_after_prelude,
+    zero3_enabled,
+)
 from .modeling import LoopedForCausalLM
 from .sft_data import BadDataError, drop_bad_rows, format_sft_dataset, no_eval_without_eval_set  # noqa: F401
 

@@ -65,6 +65,7 @@ class Cfg:
     lora_r: int = 16
     updater_hidden: int | None = None
     lora: bool = False
+    lora_on_prelude: bool = False  # True = adapters on the frozen prelude too (the sweep's first LoRA row)
     seed: int = 0
     max_length: int = 96
     arms: tuple = ("looped", "sft")
@@ -174,9 +175,10 @@ def train_arm(c: Cfg, arm: str, train):
     if c.freeze_prelude:
         freeze(model, c.prelude)
     if c.lora:
-        from retrofit.training import apply_lora
+        from retrofit.training import apply_lora, lora_layers_after_prelude
 
-        model = apply_lora(model, r=c.lora_r, alpha=2 * c.lora_r)
+        layers = lora_layers_after_prelude(model) if c.freeze_prelude and not c.lora_on_prelude else None
+        model = apply_lora(model, r=c.lora_r, alpha=2 * c.lora_r, layers=layers)
     args = targs(c, f"/tmp/sweep/{c.name}-{arm}")
     trainer = RetrofitSFTTrainer(model, args, train_dataset=train_fmt, processing_class=tok)
     method = trainer._looped.halting

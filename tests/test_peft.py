@@ -144,3 +144,31 @@ def test_lora_through_the_trainer_saves_adapter_checkpoints(tmp_path):
     reloaded = PeftModel.from_pretrained(looped(), ckpt).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_frozen_prelude_gets_no_adapters_and_no_backward(freeze):
+    """With --freeze_prelude --lora, adapters sit on the core and coda only, so nothing before the core needs
+    a gradient: the prelude's outputs do not require grad (no backward through it). Without the freeze,
+    every layer gets adapters."""
+    from retrofit.recipe import LoopArgs, prepare_model
+
+    args = LoopArgs(prelude=2, core=2, max_depth=2, method="tah2", freeze_prelude=freeze, lora=True, lora_r=4)
+    torch.manual_seed(0)
+    model = prepare_model(retrofit.convert(tiny_base("llama", seed=0), args.loop_config()), args)
+    n_layers = model.config.num_hidden_layers
+    adapted = {int(n.split("layers.")[1].split(".")[0]) for n, _ in model.named_parameters() if "lora_A" in n}
+    assert adapted == (set(range(2, n_layers)) if freeze else set(range(n_layers)))
+    needs_grad = []
+    hooks = [
+        layer.register_forward_hook(
+            lambda m, i, o: needs_grad.append((o[0] if isinstance(o, tuple) else o).requires_grad)
+        )
+        for layer in model.get_base_model().prelude_layers
+    ]
+    model.train()
+    ids = ids_batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    for h in hooks:
+        h.remove()
+    assert needs_grad and all(g is not freeze for g in needs_grad)
