@@ -2,7 +2,8 @@
 
 Keys and values live in one pool per *layer group* (prelude, core, coda): per layer, K and V are
 ``[num_blocks * block_size, KVH, hd]`` tensors; a block is ``block_size`` slots (``core_block_size``
-in the core pool) in every layer of its group. A sequence owns *streams* of entries, each a list of blocks (a block table):
+in the core pool) in every layer of its group. A sequence owns *streams* of entries, each a list of
+blocks (a block table):
 
 - ``pre`` (prelude layers) and ``coda`` (coda layers, the exit state): one entry per position;
 - ``core`` (core layers): **one stream per sequence** holding every depth's entries, one per
