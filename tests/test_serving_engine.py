@@ -311,6 +311,8 @@ def test_core_kv_layout_matches_a_brute_force_log(attention, core_bs):
     kv = eng.kv
     pool = kv.pools["core"]
     assert pool.block_size == core_bs and kv.pools["pre"].block_size == 4
+    with pytest.raises(ValueError, match="core_block_size must be an integer >= 1; got 0"):
+        Engine(model, TOK, max_seqs=S, core_block_size=0)
 
     def nblocks(n):
         return -(-n // core_bs)
