@@ -134,7 +134,7 @@ def main(argv=None) -> dict:
     p.add_argument("--trace-answer", default="4,48", help="answer length range (uniform)")
     p.add_argument("--unrolled-batch", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--core-block-size", type=int, default=None, help="core KV block (entries; default: the engine's)")
+    p.add_argument("--core-block-size", type=int, default=1, help="core KV block in entries (default 1, the engine's)")
     p.add_argument("--kv-budget-mb", type=int, default=1024, help="KV budget of each engine (batch 256 needs ~1 GiB)")
     p.add_argument("--repeats", type=int, default=2, help="timing rounds (minimum per configuration)")
     p.add_argument("--threads", type=int, default=2)

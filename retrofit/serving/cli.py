@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--core-block-size",
         type=int,
-        default=None,
+        default=1,
         help="(token, depth) entry slots per block of the core layers' KV (default 1)",
     )
     g = p.add_mutually_exclusive_group()

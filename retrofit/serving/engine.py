@@ -73,7 +73,7 @@ class Engine(StepExecution):
         max_model_len: int | None = None,
         kv_budget_bytes: int = 64 << 20,
         block_size: int = 16,
-        core_block_size: int | None = None,
+        core_block_size: int = 1,
         max_rows: int | None = None,
         default_exit: dict | None = None,
         eos_token_id=None,

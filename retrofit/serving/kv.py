@@ -176,15 +176,13 @@ class PagedKV:
         max_len: int,
         block_size: int = 16,
         readout_coda: bool = True,
-        core_block_size: int | None = None,
+        core_block_size: int = 1,
     ):
         cfg = model.config
         dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         pre, core, coda = model._ranges
         self.D = model.loop.max_depth
         self.mode = model.loop.attention
-        if core_block_size is None:
-            core_block_size = 1
         for name, v in (("block_size", block_size), ("core_block_size", core_block_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {v!r}")
