@@ -13,7 +13,10 @@ configurations timed round-robin (``--repeats`` rounds, the minimum per configur
    both through the engine with 2 × batch requests (so the batch stays full), same prompts and lengths.
    ``decode.py`` measures the same ratio for ``generate()`` (1.31–1.45 at batch 32).
 2. ``kv_bytes``: per request, the core KV bytes allocated (whole blocks) vs executed (token, depth)
-   pairs, mixed vs depth D: allocated ∝ executed.
+   pairs, mixed and depth D (``alloc_over_executed_*``), and the mixed ÷ D ratios of both: allocated ∝
+   executed when ``alloc_ratio_over_executed_ratio`` ≈ 1. A count, not a timing (deterministic on any
+   machine); ``by_core_block_size`` repeats it for other core block sizes (``--skip mixed,trace,unrolled``
+   runs only this figure).
 3. ``trace``: one request trace — Poisson arrivals, prompt and answer lengths drawn uniformly, mixed
    depths — served by the engine vs ``generate()`` in static batches of the same size (a batch starts
    when it is full or the trace has ended and the previous batch is done; it runs to its longest answer):
@@ -131,6 +134,7 @@ def main(argv=None) -> dict:
     p.add_argument("--trace-answer", default="4,48", help="answer length range (uniform)")
     p.add_argument("--unrolled-batch", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--core-block-size", type=int, default=1, help="core KV block in entries (default 1, the engine's)")
     p.add_argument("--kv-budget-mb", type=int, default=1024, help="KV budget of each engine (batch 256 needs ~1 GiB)")
     p.add_argument("--repeats", type=int, default=2, help="timing rounds (minimum per configuration)")
     p.add_argument("--threads", type=int, default=2)
@@ -161,14 +165,15 @@ def main(argv=None) -> dict:
     def prompts(n, length):
         return [[rng.randrange(10, V) for _ in range(length)] for _ in range(n)]
 
-    def engine_run(model, reqs, batch, depth=None, block_size=args.block_size, on_finish=None):
+    def engine_run(model, reqs, batch, depth=None, core_block_size=None, on_finish=None):
         """Serve ``reqs`` [(prompt, max_tokens)], all arriving at once; returns (time, per-position depths)."""
         eng = Engine(
             model,
             None,
             max_seqs=batch,
             kv_budget_bytes=budget,
-            block_size=block_size,
+            block_size=args.block_size,
+            core_block_size=core_block_size or args.core_block_size,
             max_model_len=max(len(pr) + n for pr, n in reqs) + 1,
         )
         if on_finish is not None:
@@ -251,29 +256,50 @@ def main(argv=None) -> dict:
     # 2. KV bytes: allocated vs executed -----------------------------------------------------------
     if "kv" not in skip:
         reqs = list(zip(prompts(32, args.prompt), [args.new_tokens] * 32))
-        acc = {}
-        for name, model, depth in (("mixed", mixed, None), ("D", fixed, D)):
-            rec = {"alloc": 0, "exec": 0}
 
-            def on_finish(eng, seq, rec=rec):
-                pool = eng.kv.pools["core"]
-                per_entry = pool.bytes_per_block // eng.kv.bs
-                rec["alloc"] += eng.kv.seq_blocks(seq.slot, "core") * pool.bytes_per_block
-                rec["exec"] += sum(eng.kv.count_py[seq.slot]) * per_entry
+        def kv_figures(core_bs):
+            acc = {}
+            for name, model, depth in (("mixed", mixed, None), ("D", fixed, D)):
+                rec = {"alloc": 0, "exec": 0}
 
-            _, d, _ = engine_run(model, reqs, 32, depth, on_finish=on_finish)
-            acc[name] = rec
-            acc[name]["mean_depth"] = sum(d) / len(d)
+                def on_finish(eng, seq, rec=rec):
+                    pool = eng.kv.pools["core"]
+                    per_entry = pool.bytes_per_block // pool.block_size
+                    rec["alloc"] += eng.kv.seq_blocks(seq.slot, "core") * pool.bytes_per_block
+                    rec["exec"] += sum(eng.kv.count_py[seq.slot]) * per_entry
+                    rec["core_block_size"] = pool.block_size
+
+                _, d, _ = engine_run(model, reqs, 32, depth, core_block_size=core_bs, on_finish=on_finish)
+                acc[name] = rec
+                acc[name]["mean_depth"] = sum(d) / len(d)
+            alloc_ratio = acc["mixed"]["alloc"] / acc["D"]["alloc"]
+            exec_ratio = acc["mixed"]["exec"] / acc["D"]["exec"]
+            return {
+                "core_block_size": acc["D"]["core_block_size"],
+                "core_alloc_bytes_mixed": acc["mixed"]["alloc"],
+                "core_alloc_bytes_D": acc["D"]["alloc"],
+                "core_exec_bytes_mixed": acc["mixed"]["exec"],
+                "core_exec_bytes_D": acc["D"]["exec"],
+                "alloc_over_executed_mixed": acc["mixed"]["alloc"] / acc["mixed"]["exec"],
+                "alloc_over_executed_D": acc["D"]["alloc"] / acc["D"]["exec"],
+                "alloc_ratio_mixed_vs_D": alloc_ratio,
+                "executed_ratio_mixed_vs_D": exec_ratio,
+                "alloc_ratio_over_executed_ratio": alloc_ratio / exec_ratio,
+                "mean_depth_mixed": acc["mixed"]["mean_depth"],
+            }
+
+        main_fig = kv_figures(args.core_block_size)
+        sweep = [kv_figures(c) for c in sorted({args.block_size, 4, 2, 1} - {main_fig["core_block_size"]})]
         result["kv_bytes"] = {
             "block_size": args.block_size,
-            "core_alloc_bytes_mixed": acc["mixed"]["alloc"],
-            "core_alloc_bytes_D": acc["D"]["alloc"],
-            "core_exec_bytes_mixed": acc["mixed"]["exec"],
-            "core_exec_bytes_D": acc["D"]["exec"],
-            "alloc_ratio_mixed_vs_D": acc["mixed"]["alloc"] / acc["D"]["alloc"],
-            "executed_ratio_mixed_vs_D": acc["mixed"]["exec"] / acc["D"]["exec"],
-            "alloc_over_executed_mixed": acc["mixed"]["alloc"] / acc["mixed"]["exec"],
-            "mean_depth_mixed": acc["mixed"]["mean_depth"],
+            "requests": len(reqs),
+            "prompt": args.prompt,
+            "new_tokens": args.new_tokens,
+            **main_fig,
+            "by_core_block_size": {
+                f["core_block_size"]: {k: f[k] for k in ("alloc_ratio_mixed_vs_D", "alloc_over_executed_mixed")}
+                for f in sorted([main_fig, *sweep], key=lambda f: f["core_block_size"])
+            },
         }
 
     # 3. a Poisson trace: engine vs static generate() batches ------------------------------------------
@@ -298,6 +324,7 @@ def main(argv=None) -> dict:
                 max_seqs=B,
                 kv_budget_bytes=budget,
                 block_size=args.block_size,
+                core_block_size=args.core_block_size,
                 max_model_len=p_hi + a_hi + 1,
             )
             i = 0

@@ -278,9 +278,9 @@ def test_admission_waits_for_the_kv_budget():
 
 
 def test_kv_blocks_follow_executed_depths():
-    """Core entries = executed (token, depth) pairs; core blocks = ⌈entries / block⌉ per depth stream."""
+    """Core entries = executed (token, depth) pairs; core blocks = ⌈entries / block⌉ of the sequence's stream."""
     model = looped("llama", "anira-e", "whole", head_seed=1)
-    eng = Engine(model, TOK, max_seqs=2, block_size=4, kv_budget_bytes=8 << 20)
+    eng = Engine(model, TOK, max_seqs=2, block_size=4, core_block_size=4, kv_budget_bytes=8 << 20)
     r = eng.add_request(TOK("the quick brown fox").input_ids, SamplingParams(temperature=0, max_tokens=9))
     checked = 0
     while eng.has_work():
@@ -293,10 +293,123 @@ def test_kv_blocks_follow_executed_depths():
         running = sum(d if d else g.m - 1 for d in g.exit_depth) if g not in eng.entering else 0
         counts = eng.kv.count_py[seq.slot]
         assert sum(counts) == sum(r.position_depths) + running
-        assert eng.kv.seq_blocks(seq.slot, "core") == sum(-(-c // 4) for c in counts)
+        assert eng.kv.seq_blocks(seq.slot, "core") == -(-sum(counts) // 4)
         checked += 1
     assert checked > 5
     assert 1 < len(set(r.position_depths))  # mixed depths: fewer entries than every position at D
+
+
+@pytest.mark.parametrize("attention,core_bs", [("duo-causal", 3), ("same-depth", 1), ("same-depth", 16)])
+def test_core_kv_layout_matches_a_brute_force_log(attention, core_bs):
+    """One core stream per sequence, checked at every step against a brute-force log of the core rows written:
+    entries and their (depth, position, last) tags, blocks = ⌈entries / core block⌉ per sequence, the pool's
+    blocks in use, reservations and ``/metrics`` figures, the keys each unit reads (slots and depth-major
+    order), and the blocks given back when a request finishes or is cancelled."""
+    model = looped("llama", "anira-e", "middle", attention, head_seed=1)
+    S = 3
+    eng = Engine(model, TOK, max_seqs=S, block_size=4, core_block_size=core_bs, kv_budget_bytes=8 << 20)
+    kv = eng.kv
+    pool = kv.pools["core"]
+    assert pool.block_size == core_bs and kv.pools["pre"].block_size == 4
+    with pytest.raises(ValueError, match="core_block_size must be an integer >= 1; got 0"):
+        Engine(model, TOK, max_seqs=S, core_block_size=0)
+
+    def nblocks(n):
+        return -(-n // core_bs)
+
+    log = {s: [] for s in range(S)}  # per sequence slot: (depth, position) of each core row written, in order
+    running = {}  # per slot: positions of the rows running in this step's core call
+    executed = {}  # request id -> core entries when it ended
+    orig_write, orig_keys, orig_finish = kv.core_write, kv.core_keys, eng._finish_seq
+
+    def brute_last(s):
+        top = {}
+        for d, p in log[s]:
+            top[p] = max(top.get(p, 0), d)
+        return [d == top[p] and p not in running.get(s, ()) for d, p in log[s]]
+
+    def core_write(groups, s, d, rank, pos):
+        running.clear()
+        for si, di, pi in zip(s.tolist(), d.tolist(), pos.tolist()):
+            log[si].append((di, pi))
+            running.setdefault(si, set()).add(pi)
+        return orig_write(groups, s, d, rank, pos)
+
+    def core_keys(unit_s, unit_m, unit_qmax, unit_rows, qpos, single):
+        keys = orig_keys(unit_s, unit_m, unit_qmax, unit_rows, qpos, single)
+        for u, (s, m, qmax) in enumerate(zip(unit_s.tolist(), unit_m.tolist(), unit_qmax.tolist())):
+            E = len(log[s])
+            last = brute_last(s)
+            assert int(kv.count[s]) == kv.n_entries_py[s] == E
+            assert kv.depth[s, :E].tolist() == [d for d, _ in log[s]]
+            assert kv.pos[s, :E].tolist() == [p for _, p in log[s]]
+            assert kv.last[s, :E].tolist() == last
+            want = []  # (depth, entry) of every key the model's own forward reads, depth-major
+            for k, (d, p) in enumerate(log[s]):
+                sees = d <= m if attention == "duo-causal" else d == m or (d < m and last[k])
+                if p <= qmax and sees:
+                    want.append((d, k))
+            want.sort()
+            bl = kv.core.blocks[s][0]
+            v = keys.valid[u]
+            assert keys.idx[u][v].tolist() == [bl[k // core_bs] * core_bs + k % core_bs for _, k in want]
+            assert keys.kpos[u][v].tolist() == [log[s][k][1] for _, k in want]
+        return keys
+
+    def finish_seq(seq, reason):
+        s, E = seq.slot, len(log[seq.slot])
+        assert kv.seq_blocks(s, "core") == nblocks(E)
+        free_before = len(pool.free)
+        orig_finish(seq, reason)
+        assert len(pool.free) - free_before == nblocks(E)  # every core block of the request is given back
+        assert kv.core.blocks[s][0] == [] and int(kv.count[s]) == 0 and not bool(kv.last[s].any())
+        assert all(kv.seq_blocks(s, p) == 0 for p in kv.pools)
+        executed[seq.req.request_id] = E
+        log[s] = []
+
+    kv.core_write, kv.core_keys, eng._finish_seq = core_write, core_keys, finish_seq
+    rng = random.Random(5)
+    reqs = random_requests(rng, [{}], n=7, cancel=3)
+    handles = {}
+    step = 0
+    while len(handles) < len(reqs) or eng.has_work():
+        for i, r in enumerate(reqs):
+            if r["arrive"] == step:
+                handles[i] = eng.add_request(r["prompt"], SamplingParams(temperature=0, max_tokens=r["max_tokens"]))
+            if r.get("cancel") == step and i in handles:
+                eng.cancel(handles[i].request_id)
+        eng.step()
+        step += 1
+        assert step < 2000
+        # after every step: the tables hold exactly the brute-force count of every live sequence
+        live = {seq.slot: seq for seq in eng.seqs.values()}
+        for s in range(S):
+            assert kv.seq_blocks(s, "core") == nblocks(len(log[s]))
+            if s not in live:
+                assert log[s] == []
+        assert pool.in_use == sum(nblocks(len(log[s])) for s in range(S))
+        owned = [b for s in range(S) for b in kv.core.blocks[s][0]]
+        assert len(set(owned)) == len(owned) and not set(owned) & set(pool.free)
+        assert len(owned) + len(pool.free) == pool.num_blocks
+        for seq in live.values():  # admission reserved the worst case, which covers what is allocated
+            n_pos = len(seq.req.prompt) + seq.req.params.max_tokens
+            assert seq.res.blocks["core"] == nblocks(n_pos * kv.D) >= kv.seq_blocks(seq.slot, "core")
+        assert pool.reserved == sum(seq.res.blocks["core"] for seq in live.values())
+        met = eng.metrics()
+        assert met["kv_blocks_in_use"] == sum(kv.seq_blocks(s, p) for s in range(S) for p in kv.pools)
+        assert met["kv_bytes_in_use"] == sum(
+            kv.seq_blocks(s, p) * kv.pools[p].bytes_per_block for s in range(S) for p in kv.pools
+        )
+    assert kv.blocks_in_use() == 0 and pool.reserved == 0
+    depths = set()
+    for i, h in handles.items():
+        depths.update(h.position_depths)
+        if h.finish_reason == "cancelled":
+            assert executed.get(h.request_id, 0) >= sum(h.position_depths)
+        else:  # one entry per executed (token, depth) pair, nothing more
+            assert executed[h.request_id] == sum(h.position_depths) > 0
+    assert len(depths) > 1, "the trace needs mixed exit depths"
+    assert any(h.finish_reason == "cancelled" and executed.get(h.request_id) for h in handles.values())
 
 
 def test_sampling_is_reproducible_per_seed_whatever_the_batch():

@@ -4,7 +4,8 @@
 - ``step.StepExecution``: the tensor work of a step: prelude, the core over every row in flight, readout,
   decisions, sampling (mixed into ``Engine``);
 - ``requests``: ``Request`` and the running state (``SeqState``, ``TokenGroup``);
-- ``kv.PagedKV``: K/V in fixed-size blocks per (layer, depth), allocated from a memory budget;
+- ``kv.PagedKV``: K/V in fixed-size blocks per layer group (one core stream per sequence holding every
+  executed (token, depth) pair), allocated from a memory budget;
 - ``layers``: base decoder layers run on flat rows over paged keys (per-family ops in one table);
 - ``methods.MethodAdapter``: the one module with method-specific calls (decider, exit rule, mixture);
 - ``sampling``: temperature, top-k, top-p, seed, stop strings;

@@ -24,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + answer (default: context, ≤ 2048)")
     p.add_argument("--kv-budget-mb", type=float, default=256.0, help="memory for K/V blocks in MiB (default 256)")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
+    p.add_argument(
+        "--core-block-size",
+        type=int,
+        default=1,
+        help="(token, depth) entry slots per block of the core layers' KV (default 1)",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--depth", type=int, default=None, help="default fixed depth k for every token")
     g.add_argument(
@@ -77,6 +83,7 @@ def run(args) -> int:
         max_model_len=args.max_model_len,
         kv_budget_bytes=int(args.kv_budget_mb * (1 << 20)),
         block_size=args.block_size,
+        core_block_size=args.core_block_size,
         default_exit=default_exit,
     )
     name = args.served_model_name or args.model

@@ -55,7 +55,9 @@ class Engine(StepExecution):
         max_seqs: requests running at once (the batch size).
         max_model_len: longest prompt + answer (default: the model's context, at most 2048).
         kv_budget_bytes: memory for K/V (default 64 MiB).
-        block_size: token slots per KV block.
+        block_size: token slots per KV block of the prelude and coda layers.
+        core_block_size: (token, depth) entry slots per KV block of the core layers (default 1: allocated
+            core K/V follows executed (token, depth) pairs exactly; ``retrofit.serving.kv``).
         max_rows: row slots (tokens in flight, prompts included); default ``16 * max_seqs + max_model_len``
             (a prompt of the longest length always fits).
         default_exit: the exit arguments a request gets when it names none (``generate``'s keywords).
@@ -71,6 +73,7 @@ class Engine(StepExecution):
         max_model_len: int | None = None,
         kv_budget_bytes: int = 64 << 20,
         block_size: int = 16,
+        core_block_size: int = 1,
         max_rows: int | None = None,
         default_exit: dict | None = None,
         eos_token_id=None,
@@ -88,7 +91,7 @@ class Engine(StepExecution):
         self.max_rows = int(max_rows or (16 * max_seqs + self.max_len))
         self.runner = LayerRunner(layer_ops_for(model))
         self.adapter = MethodAdapter(model, self.max_rows, max_seqs)
-        self.kv = PagedKV(model, kv_budget_bytes, max_seqs, self.max_len, block_size)
+        self.kv = PagedKV(model, kv_budget_bytes, max_seqs, self.max_len, block_size, core_block_size=core_block_size)
         self.default_exit = dict(default_exit or {})
         self.default_spec = self.adapter.spec(**self.default_exit)
         if eos_token_id is None:

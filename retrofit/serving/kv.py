@@ -1,13 +1,23 @@
-"""Paged K/V storage of the serving engine: fixed-size blocks per (layer, depth), from a memory budget.
+"""Paged K/V storage of the serving engine: fixed-size blocks per layer group, from a memory budget.
 
 Keys and values live in one pool per *layer group* (prelude, core, coda): per layer, K and V are
-``[num_blocks * block_size, KVH, hd]`` tensors; a block is ``block_size`` token slots in every layer of
-its group. A sequence owns *streams* of entries, each a list of blocks (a block table):
+``[num_blocks * block_size, KVH, hd]`` tensors; a block is ``block_size`` slots (``core_block_size``
+in the core pool) in every layer of its group. A sequence owns *streams* of entries, each a list of
+blocks (a block table):
 
 - ``pre`` (prelude layers) and ``coda`` (coda layers, the exit state): one entry per position;
-- ``core[j]``, ``j = 1 … D`` (core layers): one entry per token that *executed* depth ``j``, in arrival
-  order, tagged with its position and whether ``j`` is the token's exit depth (``last``); a token that
-  exits at ``d*`` writes ``d*`` entries, so core blocks in use follow the executed (token, depth) pairs;
+- ``core`` (core layers): **one stream per sequence** holding every depth's entries, one per
+  *executed* (token, depth) pair, in arrival order, each tagged with its depth, its position and whether
+  that depth is the token's exit depth (``last``). A token that exits at ``d*`` writes ``d*`` entries,
+  and only the stream's last block is partly filled, so a sequence's core blocks are
+  ``⌈entries / core_block_size⌉``: allocated bytes follow the executed pairs. (One stream per depth
+  would leave ``D`` partly filled blocks per sequence, which for short requests costs as much as the
+  entries themselves.) Core blocks are sized apart from the dense streams' (``core_block_size``, default
+  one entry): reads gather slot by slot whatever the block size, so a finer core block costs no read
+  work, only one pool ``alloc`` per entry and a block table as wide as the entries' own metadata
+  (``[S, max_len · D]``); with blocks of one entry, allocated core bytes equal executed ones, while
+  ``block_size``-entry blocks still waste up to a block per sequence (``benchmarks/serve.py``,
+  ``kv_bytes.by_core_block_size``);
 - ``ro[j]`` (coda layers; only for runs that read out every depth on a model with a coda — TaH2's
   decider, the ``kl`` exit): the reference forward's depth-``j`` readout runs the coda over every
   token's passthrough state at depth ``j`` (docs/looped-model.md; ``retrofit.cache``), one entry per position.
@@ -15,12 +25,14 @@ its group. A sequence owns *streams* of entries, each a list of blocks (a block 
 Reads (``core_keys``) follow the model's attention mode: a query at depth ``m`` and position ``t`` sees,
 for each earlier (or same) position ``s``, every executed depth ``j ≤ m`` of ``s`` (duo-causal), or the
 one entry of ``s`` at depth ``min(m, d*_s)`` (same-depth: depth ``m``, or a lower depth marked ``last``).
-Key lists are built once per engine step for all rows (vectorized over sequences) and shared by every
-layer of the group, since all layers of a group store the same entries.
+Visible keys are ordered depth-major (by depth, then arrival), the order of one stream per depth, so the
+attention sums in the same order whatever the storage layout. Key lists are built once per engine step
+for all rows (vectorized over sequences) and shared by every layer of the group, since all layers of a
+group store the same entries.
 
-Admission reserves each request's worst case (every position at every depth) so that a running request
-never runs out of blocks; blocks are *allocated* lazily, as entries are written, and returned when the
-request ends (``blocks_in_use``, ``bytes_in_use``).
+Admission reserves each request's worst case (every position at every depth: ``⌈n · D / core_block_size⌉``
+core blocks) so that a running request never runs out of blocks; blocks are *allocated* lazily, as
+entries are written, and returned when the request ends (``blocks_in_use``, ``bytes_in_use``).
 """
 
 from __future__ import annotations
@@ -78,28 +90,48 @@ class StreamTable:
 
     ``blocktab [S, n_streams, MB]`` maps an entry ``k`` of stream ``(s, j)`` to its physical slot
     ``blocktab[s, j, k // bs] * bs + k % bs``; Python lists mirror it for allocation and freeing.
+
+    Args:
+        pool: the pool the blocks come from (its ``block_size`` is the tables' granularity).
+        max_seqs: sequence slots.
+        n_streams: streams per sequence.
+        max_entries: most entries one stream can hold.
+        device: of the block table.
     """
 
-    def __init__(self, pool: BlockPool, max_seqs: int, n_streams: int, max_len: int, device):
+    def __init__(self, pool: BlockPool, max_seqs: int, n_streams: int, max_entries: int, device):
         self.pool = pool
         self.bs = pool.block_size
         self.n_streams = n_streams
+        self.device = device
         self.blocktab = torch.zeros(
-            max_seqs, n_streams, math.ceil(max_len / self.bs) + 1, dtype=torch.long, device=device
+            max_seqs, n_streams, math.ceil(max_entries / self.bs) + 1, dtype=torch.long, device=device
         )
         self.blocks: list[list[list[int]]] = [[[] for _ in range(n_streams)] for _ in range(max_seqs)]
 
     def ensure(self, s: int, j: int, n_entries: int) -> None:
         """Allocate blocks so that entries ``0 … n_entries - 1`` of stream ``(s, j)`` have slots."""
-        bl = self.blocks[s][j]
-        need = -(-n_entries // self.bs)
-        while len(bl) < need:
-            b = self.pool.alloc()
-            self.blocktab[s, j, len(bl)] = b
-            bl.append(b)
+        self.ensure_many([(s, j, n_entries)])
 
-    def slots(self, s: torch.Tensor, j: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Physical slots of entries ``k`` of streams ``(s, j)`` (broadcasting long tensors)."""
+    def ensure_many(self, needs) -> None:
+        """``ensure`` for every ``(s, j, n_entries)`` of ``needs``, with one write of the block table."""
+        new_s, new_j, new_i, new_b = [], [], [], []
+        for s, j, n in needs:
+            bl = self.blocks[s][j]
+            need = -(-n // self.bs)
+            while len(bl) < need:
+                b = self.pool.alloc()
+                new_s.append(s)
+                new_j.append(j)
+                new_i.append(len(bl))
+                new_b.append(b)
+                bl.append(b)
+        if new_b:
+            idx = torch.tensor([new_s, new_j, new_i], device=self.device)
+            self.blocktab[idx[0], idx[1], idx[2]] = torch.tensor(new_b, device=self.device)
+
+    def slots(self, s: torch.Tensor, j, k: torch.Tensor) -> torch.Tensor:
+        """Physical slots of entries ``k`` of streams ``(s, j)`` (broadcasting long tensors; ``j`` may be an int)."""
         return self.blocktab[s, j, k // self.bs] * self.bs + k % self.bs
 
     def free_seq(self, s: int) -> None:
@@ -126,49 +158,68 @@ class PagedKV:
         budget_bytes: memory for K/V, split among the pools in proportion to a request's worst case.
         max_seqs: sequence slots (concurrent requests).
         max_len: longest sequence (prompt + generated tokens).
-        block_size: token slots per block.
+        block_size: token slots per block of the prelude and coda pools.
+        core_block_size: entry slots per block of the core pool (default 1: one slot per executed
+            (token, depth) pair, so allocated core bytes equal executed ones; see the module docstring).
         readout_coda: allocate ``ro[j]`` streams (some request may read out every depth on a model with
             a coda).
+
+    Raises:
+        ValueError: a block size below 1.
     """
 
     def __init__(
-        self, model, budget_bytes: int, max_seqs: int, max_len: int, block_size: int = 16, readout_coda: bool = True
+        self,
+        model,
+        budget_bytes: int,
+        max_seqs: int,
+        max_len: int,
+        block_size: int = 16,
+        readout_coda: bool = True,
+        core_block_size: int = 1,
     ):
         cfg = model.config
         dev, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
         pre, core, coda = model._ranges
         self.D = model.loop.max_depth
         self.mode = model.loop.attention
+        for name, v in (("block_size", block_size), ("core_block_size", core_block_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {v!r}")
         self.bs = block_size
+        self.core_bs = core_block_size
         self.max_len = max_len
         self.device = dev
         kvh = cfg.num_key_value_heads
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.has_coda = len(coda) > 0
         self.readout_coda = readout_coda and self.has_coda
-        # worst-case blocks per position for each pool: prelude 1, core D, coda 1 (+ D readout streams)
+        # worst-case slots per position for each pool: prelude 1, core D, coda 1 (+ D readout streams)
         coda_streams = 1 + (self.D if self.readout_coda else 0)
         per_pos = {"pre": len(pre) * 1, "core": len(core) * self.D, "coda": len(coda) * coda_streams}
         total = sum(per_pos.values())
-        layer_bytes = 2 * block_size * kvh * hd * torch.finfo(dtype).bits // 8  # one block in one layer
+        slot_bytes = 2 * kvh * hd * torch.finfo(dtype).bits // 8  # one slot in one layer
         self.pools: dict[str, BlockPool] = {}
         for name, ids in (("pre", pre), ("core", core), ("coda", coda)):
             if len(ids) == 0:
                 continue
+            bs = core_block_size if name == "core" else block_size
             share = budget_bytes * per_pos[name] / total
-            nb = int(share // (layer_bytes * len(ids)))
-            self.pools[name] = BlockPool(ids, max(nb, 1), block_size, kvh, hd, dtype, dev)
+            nb = int(share // (slot_bytes * bs * len(ids)))
+            self.pools[name] = BlockPool(ids, max(nb, 1), bs, kvh, hd, dtype, dev)
         self.pool_of_layer = {li: p for p in self.pools.values() for li in p.layer_ids}
         self.pre = StreamTable(self.pools["pre"], max_seqs, 1, max_len, dev) if "pre" in self.pools else None
-        self.core = StreamTable(self.pools["core"], max_seqs, self.D + 1, max_len, dev)  # stream 0 unused
+        E = max_len * self.D  # most core entries of one sequence
+        self.core = StreamTable(self.pools["core"], max_seqs, 1, E, dev)
         # coda streams: 0 = exit state, 1 … D = depth readouts
         self.coda = StreamTable(self.pools["coda"], max_seqs, coda_streams, max_len, dev) if self.has_coda else None
-        # core entry metadata (stream j of sequence s): count, position and exit flag of each entry
-        self.count = torch.zeros(max_seqs, self.D + 1, dtype=torch.long, device=dev)
-        self.count_py = [[0] * (self.D + 1) for _ in range(max_seqs)]
-        self.pos = torch.zeros(max_seqs, self.D + 1, max_len, dtype=torch.long, device=dev)
-        self.last = torch.zeros(max_seqs, self.D + 1, max_len, dtype=torch.bool, device=dev)
-        self._jj = torch.arange(self.D + 1, device=dev)
+        # core entry metadata of sequence s: entry count, and each entry's depth, position and exit flag
+        self.count = torch.zeros(max_seqs, dtype=torch.long, device=dev)
+        self.n_entries_py = [0] * max_seqs
+        self.count_py = [[0] * (self.D + 1) for _ in range(max_seqs)]  # entries per depth (index 0 unused)
+        self.depth = torch.zeros(max_seqs, E, dtype=torch.int16, device=dev)
+        self.pos = torch.zeros(max_seqs, E, dtype=torch.long, device=dev)
+        self.last = torch.zeros(max_seqs, E, dtype=torch.bool, device=dev)
 
     # -- budget ---------------------------------------------------------------------------------
     def worst_case(self, n_positions: int, readout: bool) -> dict[str, int]:
@@ -177,7 +228,7 @@ class PagedKV:
         out = {}
         if "pre" in self.pools:
             out["pre"] = nb
-        out["core"] = self.D * nb
+        out["core"] = -(-n_positions * self.D // self.core_bs)
         if self.has_coda:
             out["coda"] = nb * (1 + (self.D if readout and self.readout_coda else 0))
         return out
@@ -199,7 +250,8 @@ class PagedKV:
                 t.free_seq(s)
         for p, n in res.blocks.items():
             self.pools[p].reserved -= n
-        self.count[s].zero_()
+        self.count[s] = 0
+        self.n_entries_py[s] = 0
         self.count_py[s] = [0] * (self.D + 1)
         self.last[s].zero_()
 
@@ -227,8 +279,7 @@ class PagedKV:
     ) -> torch.Tensor:
         """Slots of the entries at positions ``pos`` ``[N]`` of streams ``(s, j)``; allocates blocks up to
         ``end_py`` (exclusive) per distinct ``(s, j)`` given in the Python lists."""
-        for si, ji, e in zip(s_py, j_py, end_py):
-            table.ensure(si, ji, e)
+        table.ensure_many(zip(s_py, j_py, end_py))
         return table.slots(s, j, pos)
 
     def dense_keys(
@@ -250,7 +301,7 @@ class PagedKV:
             idx=idx, valid=valid, kpos=k[None, :].expand_as(idx), unit_rows=unit_rows, qpos=qpos, single=single
         )
 
-    # -- core streams ------------------------------------------------------------------------------
+    # -- core stream -------------------------------------------------------------------------------
     def core_write(
         self,
         groups: list[tuple[int, int, int]],
@@ -268,51 +319,48 @@ class PagedKV:
         Returns:
             ``(slots [N], entry index [N])``.
         """
-        base = self.count[s, d]  # entries before this step
+        if len({si for si, _, _ in groups}) != len(groups):
+            raise RuntimeError("core_write: a sequence appears in two units of one step")
+        base = self.count[s]  # entries before this step
         for si, di, n in groups:
-            c = self.count_py[si][di] + n
-            self.count_py[si][di] = c
-            self.core.ensure(si, di, c)
+            self.count_py[si][di] += n
+            self.n_entries_py[si] += n
+        self.core.ensure_many((si, 0, self.n_entries_py[si]) for si, _, _ in groups)
         k = base + rank
-        self.count.index_put_((s, d), torch.ones_like(s), accumulate=True)
-        self.pos[s, d, k] = pos
-        return self.core.slots(s, d, k), k
+        self.count.index_put_((s,), torch.ones_like(s), accumulate=True)
+        self.depth[s, k] = d.to(self.depth.dtype)
+        self.pos[s, k] = pos
+        return self.core.slots(s, 0, k), k
 
-    def mark_exit(self, s: torch.Tensor, d: torch.Tensor, k: torch.Tensor) -> None:
-        """Entries ``k`` of ``core[d]`` of sequences ``s`` are their tokens' exit depth."""
-        self.last[s, d, k] = True
+    def mark_exit(self, s: torch.Tensor, k: torch.Tensor) -> None:
+        """Core entries ``k`` of sequences ``s`` are their tokens' exit depth."""
+        self.last[s, k] = True
 
     def core_keys(
         self, unit_s: torch.Tensor, unit_m: torch.Tensor, unit_qmax: torch.Tensor, unit_rows, qpos, single: bool
     ) -> KeyList:
         """Keys of query units (sequence ``s``, depth ``m``, rows up to position ``qmax``), after this step's
-        ``core_write`` (so a row sees its own new entry)."""
-        D = self.D
-        cnt = self.count[unit_s]  # [U, D + 1]
+        ``core_write`` (so a row sees its own new entry); visible keys in depth-major order."""
+        cnt = self.count[unit_s]  # [U]
         kc = int(cnt.max())
         k = torch.arange(kc, device=self.device)
-        jj = self._jj
-        valid = k[None, None, :] < cnt[:, :, None]  # [U, D + 1, kc]
-        m = unit_m[:, None, None]
-        j = jj[None, :, None]
+        dep = self.depth[unit_s, :kc].long()  # [U, kc]
+        valid = k[None, :] < cnt[:, None]
+        m = unit_m[:, None]
         if self.mode == "duo-causal":
-            valid &= (j >= 1) & (j <= m)
+            valid &= dep <= m
         else:
-            valid &= (j == m) | ((j >= 1) & (j < m) & self.last[unit_s, :, :kc])
-        kpos = self.pos[unit_s, :, :kc]
-        valid &= kpos <= unit_qmax[:, None, None]
-        U = unit_s.shape[0]
-        slots = self.core.slots(unit_s[:, None, None], j, k[None, None, :])  # [U, D + 1, kc]
-        valid = valid.reshape(U, (D + 1) * kc)
-        n_vis = valid.sum(1)
-        L = int(n_vis.max())
-        # compact each unit's visible keys to the front (stable: keeps depth-major order)
-        order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices[:, :L]
-        idx = slots.reshape(U, -1).gather(1, order)
+            valid &= (dep == m) | ((dep < m) & self.last[unit_s, :kc])
+        kpos = self.pos[unit_s, :kc]
+        valid &= kpos <= unit_qmax[:, None]
+        L = int(valid.sum(1).max())
+        # visible keys to the front, by depth then arrival (stable): the order of one stream per depth
+        order = torch.sort(torch.where(valid, dep, self.D + 1), dim=1, stable=True).indices[:, :L]
+        slots = self.core.slots(unit_s[:, None], 0, k[None, :])  # [U, kc]
         return KeyList(
-            idx=idx,
+            idx=slots.gather(1, order),
             valid=valid.gather(1, order),
-            kpos=kpos.reshape(U, -1).gather(1, order),
+            kpos=kpos.gather(1, order),
             unit_rows=unit_rows,
             qpos=qpos,
             single=single,

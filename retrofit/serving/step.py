@@ -170,7 +170,7 @@ class StepExecution:
             if sig is not None:
                 signal[idx] = sig.float()
         stop = ~cont
-        self.kv.mark_exit(s_t[stop], d_t[stop], kidx[stop])
+        self.kv.mark_exit(s_t[stop], kidx[stop])
 
         # TaH2: the output combination of each request's last token
         if self.adapter.output_from_readout:
