@@ -10,8 +10,12 @@ configurations timed round-robin (``--repeats`` rounds, the minimum per configur
 
 1. ``mixed_depth``: at batch (concurrent requests) 8, 32 and 256, the engine's time for the mixed
    model vs the FLOPs-proportional ideal ``t(depth D) · FLOPs(mixed) / FLOPs(D)`` (``retrofit.flops``),
-   both through the engine with 2 × batch requests (so the batch stays full), same prompts and lengths.
+   both through the engine with ``--waves`` × batch requests, same prompts and lengths.
    ``decode.py`` measures the same ratio for ``generate()`` (1.31–1.45 at batch 32).
+   ``steady_time_over_ideal`` is the same ratio over the *steady state* only (batch < 128): the steps
+   that began with requests still waiting, so every free slot was refilled at once — no start-up, no
+   drain of the last requests (which finish at different steps in the mixed run and in lockstep at
+   depth D) — time per FLOP of the positions those steps completed, mixed ÷ depth D.
 2. ``kv_bytes``: per request, the core KV bytes allocated (whole blocks) vs executed (token, depth)
    pairs, mixed and depth D (``alloc_over_executed_*``), and the mixed ÷ D ratios of both: allocated ∝
    executed when ``alloc_ratio_over_executed_ratio`` ≈ 1. A count, not a timing (deterministic on any
@@ -165,8 +169,12 @@ def main(argv=None) -> dict:
     def prompts(n, length):
         return [[rng.randrange(10, V) for _ in range(length)] for _ in range(n)]
 
-    def engine_run(model, reqs, batch, depth=None, core_block_size=None, on_finish=None):
-        """Serve ``reqs`` [(prompt, max_tokens)], all arriving at once; returns (time, per-position depths)."""
+    def engine_run(model, reqs, batch, depth=None, core_block_size=None, on_finish=None, window=None):
+        """Serve ``reqs`` [(prompt, max_tokens)], all arriving at once; returns (time, per-position depths, engine).
+
+        ``window``: a dict that receives the *steady state*: the time of the steps that began with requests
+        still waiting (so the batch was refilled: no start-up, no drain) after the first step, and the exit
+        depths of the positions those steps completed."""
         eng = Engine(
             model,
             None,
@@ -190,8 +198,25 @@ def main(argv=None) -> dict:
             t0 = clock()
             for pr, n in reqs:
                 hs.append(eng.add_request(pr, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), **kw))
-            eng.run_until_done()
-            t = clock() - t0
+            if window is None:
+                eng.run_until_done()
+                t = clock() - t0
+            else:
+                window.update(time=0.0, depths=[], steps=0)
+                first, t = True, 0.0
+                while eng.has_work():
+                    steady = bool(eng.waiting) and not first
+                    before = [len(h.position_depths) for h in hs] if steady else None
+                    c = clock()
+                    eng.step()
+                    dt = clock() - c
+                    t += dt
+                    first = False
+                    if steady:
+                        window["time"] += dt
+                        window["steps"] += 1
+                        for h, b in zip(hs, before):
+                            window["depths"].extend(h.position_depths[b:])
         depths = [d for h in hs for d in h.position_depths]
         return t, depths, eng
 
@@ -227,15 +252,31 @@ def main(argv=None) -> dict:
             reqs = list(zip(prompts(n_req, args.prompt), [n_new] * n_req))
             times = {"mixed": [], "D": []}
             dep = {}
+            steady = {"mixed": [], "D": []}  # seconds per FLOP in the steady-state window, per round
             for _ in range(args.repeats + 1):  # the first round warms up
                 for name, model, depth in (("mixed", mixed, None), ("D", fixed, D)):
-                    t, d, _ = engine_run(model, reqs, B, depth)
+                    win = {} if n_req > B else None
+                    t, d, _ = engine_run(model, reqs, B, depth, window=win)
                     times[name].append(t)
                     dep[name] = d
+                    if win and win["depths"]:
+                        f = cost_report(model, torch.tensor(win["depths"]), readout=False)["flops"]
+                        steady[name].append((win["time"] / f, win["steps"], len(win["depths"])))
             tm, tD = min(times["mixed"][1:]), min(times["D"][1:])
             cm = cost_report(mixed, torch.tensor(dep["mixed"]), readout=False)
             cD = cost_report(fixed, torch.tensor(dep["D"]), readout=False)
             ideal = tD * cm["flops"] / cD["flops"]
+            if steady["mixed"][1:] and steady["D"][1:]:
+                sm, sD = min(steady["mixed"][1:]), min(steady["D"][1:])
+                steady_fig = {
+                    "steady_time_over_ideal": sm[0] / sD[0],
+                    "steady_steps_mixed": sm[1],
+                    "steady_steps_D": sD[1],
+                    "steady_positions_mixed": sm[2],
+                    "steady_positions_D": sD[2],
+                }
+            else:
+                steady_fig = {"steady_time_over_ideal": None}
             rows.append(
                 {
                     "batch": B,
@@ -249,6 +290,7 @@ def main(argv=None) -> dict:
                     "time_ratio_vs_D": tm / tD,
                     "ideal_time_s": ideal,
                     "time_over_ideal": tm / ideal,
+                    **steady_fig,
                 }
             )
         result["mixed_depth"] = rows

@@ -156,7 +156,7 @@ def main_job_report(
     names = ["looped", *[c[0] for c in compare]]
     opts = EvalOptions(
         accuracy="teacher_forced_argmax",
-        forced_depths=True,
+        forced_depths=False,  # for time (the 15-minute budget); `retrofit eval OUT/final` draws the depth curve
         exit_policies=False,
         policy_generation=False,
         difficulty_reference="sft" if "sft" in controls else None,

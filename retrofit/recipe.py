@@ -99,8 +99,8 @@ class LoopArgs:
     freeze_prelude: bool = field(
         default=False,
         metadata={
-            "help": "Freeze the embeddings (and a tied LM head) and the prelude layers: no backward through them "
-            "(with --lora, no adapters on them either). Controls freeze the same parameters."
+            "help": "Freeze the embeddings (and a tied LM head) and the prelude layers' weights. Controls freeze the "
+            "same parameters. With --lora, --lora_layers says whether the prelude still gets adapters."
         },
     )
     lora: bool = field(
@@ -109,9 +109,22 @@ class LoopArgs:
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_layers: str = field(
+        default="all",
+        metadata={
+            "help": "Which decoder layers get LoRA adapters: 'all', or 'after_prelude' (core and coda only: with "
+            "--freeze_prelude no backward runs through the prelude, a faster step; on the main job's validation "
+            "split it cost the looped arm 27 points, docs/main-job.md).",
+            "choices": ["all", "after_prelude"],
+        },
+    )
     lora_targets: str | None = field(
         default=None, metadata={"help": "Comma-separated module names; default: attention + MLP projections."}
     )
+
+    def __post_init__(self):
+        if self.lora_layers not in ("all", "after_prelude"):
+            raise ValueError(f"lora_layers must be 'all' or 'after_prelude'; got {self.lora_layers!r}")
 
     def loop_config(self, fixed_graph: bool = False, **override) -> LoopConfig:
         """The ``LoopConfig`` these arguments describe (``override`` replaces fields, e.g. for a control)."""
@@ -336,8 +349,7 @@ def prepare_model(model, loop_args: LoopArgs):
         logger.info("frozen embeddings + %d prelude layers; %.1fM parameters train", len(model.prelude_layers), n / 1e6)
     if loop_args.lora:
         targets = loop_args.lora_targets.split(",") if loop_args.lora_targets else None
-        # a frozen prelude gets no adapters either: they would train it and take the backward through it
-        layers = lora_layers_after_prelude(model) if loop_args.freeze_prelude else None
+        layers = lora_layers_after_prelude(model) if loop_args.lora_layers == "after_prelude" else None
         model = apply_lora(
             model,
             r=loop_args.lora_r,

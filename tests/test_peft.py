@@ -146,19 +146,20 @@ def test_lora_through_the_trainer_saves_adapter_checkpoints(tmp_path):
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("freeze", [True, False])
-def test_frozen_prelude_gets_no_adapters_and_no_backward(freeze):
-    """With --freeze_prelude --lora, adapters sit on the core and coda only, so nothing before the core needs
-    a gradient: the prelude's outputs do not require grad (no backward through it). Without the freeze,
-    every layer gets adapters."""
+@pytest.mark.parametrize("after_prelude", [True, False])
+def test_lora_after_a_frozen_prelude_takes_no_backward_through_it(after_prelude):
+    """With --freeze_prelude --lora --lora_layers after_prelude, adapters sit on the core and coda only, so
+    nothing before the core needs a gradient: the prelude's outputs do not require grad (no backward through
+    it). With --lora_layers all (the default), every layer gets adapters and the prelude's do train."""
     from retrofit.recipe import LoopArgs, prepare_model
 
-    args = LoopArgs(prelude=2, core=2, max_depth=2, method="tah2", freeze_prelude=freeze, lora=True, lora_r=4)
+    layers = "after_prelude" if after_prelude else "all"
+    args = LoopArgs(prelude=2, core=2, max_depth=2, freeze_prelude=True, lora=True, lora_r=4, lora_layers=layers)
     torch.manual_seed(0)
     model = prepare_model(retrofit.convert(tiny_base("llama", seed=0), args.loop_config()), args)
     n_layers = model.config.num_hidden_layers
     adapted = {int(n.split("layers.")[1].split(".")[0]) for n, _ in model.named_parameters() if "lora_A" in n}
-    assert adapted == (set(range(2, n_layers)) if freeze else set(range(n_layers)))
+    assert adapted == (set(range(2, n_layers)) if after_prelude else set(range(n_layers)))
     needs_grad = []
     hooks = [
         layer.register_forward_hook(
@@ -171,4 +172,6 @@ def test_frozen_prelude_gets_no_adapters_and_no_backward(freeze):
     model(input_ids=ids, labels=ids).loss.backward()
     for h in hooks:
         h.remove()
-    assert needs_grad and all(g is not freeze for g in needs_grad)
+    assert needs_grad and all(g is not after_prelude for g in needs_grad)
+    with pytest.raises(ValueError, match="lora_layers must be 'all' or 'after_prelude'; got 'prelude'"):
+        LoopArgs(lora_layers="prelude")
