@@ -74,6 +74,7 @@ def summarize(results: dict, task: str, train_levels: list[int], models: list[st
                     "layers_per_token",
                     "flops_per_token",
                     "cost_exec",
+                    "forced_accuracy",
                 )
                 if L.get(k) is not None
             }
@@ -82,6 +83,9 @@ def summarize(results: dict, task: str, train_levels: list[int], models: list[st
     looped = tasks["looped"]
     overall = looped.get("overall", {})
     out["looped_mean_depth"] = overall.get("mean_depth")
+    # every token forced to depth d (all test rows): equal to the adaptive accuracy at d = 1 means the gain
+    # over the control comes from how the weights were trained, not from depth spent at inference
+    out["looped_forced_depth_accuracy"] = looped.get("forced_depth_accuracy")
     out["spearman_depth_vs_level"] = overall.get("depth_difficulty_spearman")
     td = looped.get("token_difficulty") or {}
     out["spearman_token_depth_vs_control_loss"] = td.get("spearman")
@@ -156,7 +160,7 @@ def main_job_report(
     names = ["looped", *[c[0] for c in compare]]
     opts = EvalOptions(
         accuracy="teacher_forced_argmax",
-        forced_depths=False,  # for time (the 15-minute budget); `retrofit eval OUT/final` draws the depth curve
+        forced_depths=True,  # the looped model with every token at depth 1..M: where its accuracy comes from
         exit_policies=False,
         policy_generation=False,
         difficulty_reference="sft" if "sft" in controls else None,
@@ -220,5 +224,12 @@ def _print_summary(summary: dict) -> None:
                 for k, v in t.items()
                 if k not in ("claim", "met")
             )
+        )
+    forced = summary.get("looped_forced_depth_accuracy") or {}
+    if forced:
+        adaptive = summary["mean_accuracy"]["looped"]["all_rows"]
+        lines.append(
+            f"  looped accuracy over all rows: adaptive {adaptive:.3f}; every token forced to depth "
+            + ", ".join(f"{d}: {a:.3f}" for d, a in sorted(forced.items(), key=lambda kv: int(kv[0])))
         )
     print("\n".join(lines))

@@ -175,9 +175,12 @@ def train_arm(c: Cfg, arm: str, train):
     if c.freeze_prelude:
         freeze(model, c.prelude)
     if c.lora:
-        from retrofit.training import apply_lora, lora_layers_after_prelude
+        from retrofit.training import apply_lora
 
-        layers = lora_layers_after_prelude(model) if c.freeze_prelude and not c.lora_on_prelude else None
+        # the SFT arm is converted with prelude 0: take the looped arms' prelude, so every arm adapts the same layers
+        # (the first lora_on_prelude=False row, sort-lora-core, ran before this and adapted all layers of its SFT arm)
+        n_layers = model.config.num_hidden_layers
+        layers = list(range(c.prelude, n_layers)) if c.freeze_prelude and not c.lora_on_prelude else None
         model = apply_lora(model, r=c.lora_r, alpha=2 * c.lora_r, layers=layers)
     args = targs(c, f"/tmp/sweep/{c.name}-{arm}")
     trainer = RetrofitSFTTrainer(model, args, train_dataset=train_fmt, processing_class=tok)

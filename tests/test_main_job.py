@@ -67,6 +67,7 @@ def test_main_job_tiny_budget(tmp_path):
             assert 0.0 <= lo <= entry["accuracy"] <= hi <= 1.0
             assert entry["flops_per_token"] > 0
         assert 1.0 <= row["looped"]["mean_depth"] <= 2.0
+        assert set(row["looped"]["forced_accuracy"]) == {"1", "2"}
     for other in ("sft", "base"):
         test = summary["paired_tests"][other]["all"]
         assert test["n"] == 12 and 0.0 <= test["mcnemar_p"] <= 1.0
@@ -74,6 +75,9 @@ def test_main_job_tiny_budget(tmp_path):
     assert set(summary["targets"]) == {"control_learns", "looped_beats_control", "depth_follows_difficulty"}
     assert all(isinstance(t["met"], bool) for t in summary["targets"].values())
     assert summary["peak_rss_mb"] > 0
+    forced = summary["looped_forced_depth_accuracy"]
+    assert set(forced) == {"1", "2"} and all(0.0 <= a <= 1.0 for a in forced.values())
+    assert "every token forced to depth 1:" in proc.stdout
 
     assert (out / "control-sft" / "final" / "config.json").exists()
     assert json.loads((out / "control-sft" / "final" / "config.json").read_text())["model_type"] == "llama"
