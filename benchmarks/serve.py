@@ -238,7 +238,7 @@ def main(argv=None) -> dict:
             "repeats": args.repeats,
             "load_avg_1m": os.getloadavg()[0],
             "torch": torch.__version__,
-            "note": "shared machine: figures are ratios of runs interleaved in one process",
+            "note": "figures are ratios of runs interleaved in one process; load_avg_1m says how busy the machine was",
         },
     }
     t_start = time.perf_counter()
