@@ -34,20 +34,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import retrofit  # noqa: E402
+from retrofit.cli_params import REAL_SHAPES  # noqa: E402
 from retrofit.halting.base import LossConfig  # noqa: E402
 
-# SmolLM2-135M's shapes (a Llama: 30 layers, hidden 576, vocab 49152)
-SMOLLM2_SHAPES = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-5,
-)
+# SmolLM2-135M's shapes (a Llama: 30 layers, hidden 576, vocab 49152), as `retrofit params` counts them
+SMOLLM2_SHAPES = dict(REAL_SHAPES["HuggingFaceTB/SmolLM2-135M"][2], max_position_embeddings=2048, rms_norm_eps=1e-5)
 
 
 def base_model(spec: str, layers: int | None):

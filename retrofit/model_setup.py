@@ -65,7 +65,7 @@ def apply_lora(model: LoopedForCausalLM, r: int = 16, alpha: int = 32, dropout: 
 
 def lora_layers_after_prelude(model: LoopedForCausalLM) -> list[int]:
     """Indices of the decoder layers after the prelude (core and coda): where LoRA goes when the prelude is frozen."""
-    return list(range(model._ranges[0].stop, model.config.num_hidden_layers))
+    return list(range(len(model.prelude_layers), model.config.num_hidden_layers))
 
 
 def zero3_enabled(args=None) -> bool:
