@@ -8,7 +8,10 @@ machine, where wall times swing by ±20%). A step is forward + backward +
 AdamW update, with the loss each trainer uses (TaH2: mixture NLL + α_D · decider BCE with the
 lookahead labels; fixed: NLL). Prints one JSON object; the figure of merit is ``ratio`` (target
 ≤ 1.3: TaH2 adds per-depth readouts, the output mixture and, for halted tokens, a gradient-free
-lookahead readout, but no extra core iteration).
+lookahead readout, but no extra core iteration). As in ``RetrofitSFTTrainer``, the LM head and the
+loss's vocabulary-wide work run at the labelled positions only (``labelled_logits_only``; the first
+quarter of each row is an unlabelled prompt, except the decider's features at every position);
+``--full_logits`` runs them at every position.
 
 Two TaH2 cases are timed: ``tah2`` at initialization (the deciders start deep, so every token
 runs both depths, as fixed does) and ``tah2_mixed`` with the decider re-biased so that about half
@@ -55,12 +58,12 @@ def base_model(spec: str, layers: int | None):
     return model
 
 
-def make_step(model, cfg: LossConfig):
+def make_step(model, cfg: LossConfig, labelled_only: bool = True):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     model.config.loop = {**model.config.loop, **vars(cfg)}  # the model computes its auxiliary loss itself
 
     def step(ids, labels):
-        out = model(input_ids=ids, labels=labels)
+        out = model(input_ids=ids, labels=labels, labelled_logits_only=labelled_only)
         loss = out.loss  # next-token loss + the method's weighted auxiliary loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -87,6 +90,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per method")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--full_logits",
+        action="store_true",
+        help="run the LM head and the loss at every position (default: at the labelled ones, as RetrofitSFTTrainer)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     if args.threads:
@@ -112,7 +120,7 @@ def main() -> None:
                     model.halting.decider.fc2.weight, std=1.0 / model.halting.decider.fc2.in_features**0.5
                 )
                 model.halting.decider.fc2.bias.zero_()
-        runs[name] = {"step": make_step(model, cfg), "times": [], "cpu": [], "mean_depth": []}
+        runs[name] = {"step": make_step(model, cfg, not args.full_logits), "times": [], "cpu": [], "mean_depth": []}
 
     order = list(runs)
     for r in range(args.warmup + args.steps):
@@ -141,6 +149,7 @@ def main() -> None:
         "batch": args.batch,
         "seq": args.seq,
         "max_depth": args.max_depth,
+        "labelled_logits_only": not args.full_logits,
         "steps": args.steps,
         "sec_per_step": {n: round(s, 4) for n, s in sec.items()},
         "sec_per_step_min": {n: round(s, 4) for n, s in best.items()},

@@ -119,11 +119,15 @@ class FullSequence:
             x = call_layer(self.model, layer, x, self.mask, self.pe, self.pos, self.store, d)
         return x
 
-    def _readout(self, h):
-        """Coda (if any) + final norm + LM head: ``[B, T, H]`` -> ``[B, T, V]``."""
+    def _coda(self, h):
+        """The coda layers (if any) over a full sequence of states ``[B, T, H]``."""
         for layer in self.coda:
             h = call_layer(self.model, layer, h, self.plain_mask, self.pe, self.pos, self.store, 0)
-        return head(self.model, h)
+        return h
+
+    def _readout(self, h):
+        """Coda (if any) + final norm + LM head: ``[B, T, H]`` -> ``[B, T, V]``."""
+        return head(self.model, self._coda(h))
 
     def readout(self, d, h, raw, run, la, separate_lookahead=False):
         raw = raw.view_as(h)
@@ -141,11 +145,54 @@ class FullSequence:
                 z = torch.where(la[..., None], z_la, z)
         return z.reshape(-1, z.shape[-1]), z
 
+    def readout_rows(self, d, h, raw, la, rows, full):
+        """Depth ``d``'s readout for the loss path at the flat positions ``rows`` ``[N]`` only.
+
+        The coda attends over the whole sequence, so it runs on every token; the LM head and all
+        vocabulary-wide work after it run on ``rows`` only (``full``: also every token's logits, e.g.
+        for the decider's features). A lookahead token's row holds its gradient-free depth-``d``
+        logits, as in ``readout``.
+
+        Returns:
+            ``(z_full, z_rows)``: ``[B, T, V]`` or None, and ``[N, V]``.
+        """
+        y = self._coda(h)
+        H = y.shape[-1]
+        y_la = None
+        if la is not None and bool(la.any()):
+            with torch.no_grad():
+                y_la = self._coda(torch.where(la[..., None], raw.view_as(h), h)).reshape(-1, H)
+
+        def lookahead(z, at, src):  # rows ``at`` of z [M, V] <- the lookahead logits of positions ``src``
+            with torch.no_grad():
+                z_la = head(self.model, y_la.index_select(0, src))
+            return z.index_copy(0, at, z_la.to(z.dtype))
+
+        if full:
+            z = head(self.model, y)
+            z_full = z.reshape(-1, z.shape[-1])
+            if y_la is not None:
+                at = la.reshape(-1).nonzero().squeeze(1)
+                z_full = lookahead(z_full, at, at)
+            return z_full.view_as(z), z_full.index_select(0, rows)
+        z_rows = head(self.model, y.reshape(-1, H).index_select(0, rows))
+        if y_la is not None:
+            la_rows = la.reshape(-1).index_select(0, rows)
+            if bool(la_rows.any()):
+                at = la_rows.nonzero().squeeze(1)
+                z_rows = lookahead(z_rows, at, rows.index_select(0, at))
+        return None, z_rows
+
     def end_depth(self, d, run, stop):
         pass
 
     def final_readout(self, final, logits_to_keep):
         return _keep(self._readout(final), logits_to_keep)
+
+    def final_readout_rows(self, final, rows):
+        """``final_readout`` at the flat positions ``rows`` only: ``[B, T, H]`` -> ``[N, V]``."""
+        y = self._coda(final)
+        return head(self.model, y.reshape(-1, y.shape[-1]).index_select(0, rows))
 
     def finish(self, d_last, h, depths):
         pass

@@ -321,6 +321,7 @@ def run_depth_loop(
     output_depth_logits=False,
     backprop_depth: int | None = None,
     logits_to_keep=0,
+    loss_rows: torch.Tensor | None = None,
 ) -> LoopResult:
     """Run the core ``1 … max_depth`` times on the core input ``e`` ``[B, T, H]``.
 
@@ -335,6 +336,11 @@ def run_depth_loop(
         output_depth_logits: also return every depth's logits ``[D, B, T, V]`` (NaN where not computed).
         backprop_depth: truncated backprop: iterations ``d ≤ n - k`` run without autograd.
         logits_to_keep: as in ``forward``.
+        loss_rows: ``[N]`` flat indices (into ``B * T``) of the positions with a next-token label: the
+            vocabulary-wide work of the loss path (LM head, log-softmax, TaH2's mixture, ``depth_nll``)
+            runs on those positions only, and ``logits`` is ``[N, V]`` for them, in that order. Every
+            other output is as without it. Full-sequence backend only; not with ``output_depth_logits``
+            or an exit rule that reads logits.
     """
     method, loop = model.halting, model.loop
     D = loop.max_depth
@@ -350,6 +356,10 @@ def run_depth_loop(
     if backprop_depth is not None and (not isinstance(backprop_depth, int) or backprop_depth < 1):
         raise ValueError(f"backprop_depth must be None or an int >= 1, got {backprop_depth!r}")
     n_unroll = rule.last_depth or D
+    rows = loss_rows
+    if rows is not None and (output_depth_logits or rule.needs_logits or not hasattr(backend, "readout_rows")):
+        raise ValueError("loss_rows needs the full-sequence backend, no output_depth_logits and no logit-reading exit")
+    pick = (lambda t: t.reshape(-1).index_select(0, rows)) if rows is not None else (lambda t: t)
 
     act = backend.first_active(B, T)
     # active[j]: token executed depth j + 1; a list, since tensors saved for backward must not be
@@ -374,20 +384,27 @@ def run_depth_loop(
         states.append(h)
 
         la = (~act) & active[d - 2] if (lookahead and d >= 2) else None  # exited at d - 1: lookahead rows
-        z_run = z_full = logp = None
+        z_run = z_full = z_loss = logp = None
         if readout:
-            z_run, z_full = backend.readout(d, h, raw, run, la, separate_lookahead=depth_logits is not None)
+            if rows is None:
+                z_run, z_full = backend.readout(d, h, raw, run, la, separate_lookahead=depth_logits is not None)
+                z_loss = z_full
+            else:  # the decider's features need every token's logits; the loss path only the labelled ones
+                z_full, z_loss = backend.readout_rows(d, h, raw, la, rows, full=combiner is not None and d < D)
             keep = act if la is None else (act | la)
             if depth_logits is not None:
                 depth_logits.append(z_full.masked_fill(~keep[..., None], float("nan")))
             # the mixture's log-softmax doubles as the source of the per-depth losses
-            logp = z_full.float().log_softmax(-1) if (combiner is not None and combiner.needs_log_probs) else None
+            logp = z_loss.float().log_softmax(-1) if (combiner is not None and combiner.needs_log_probs) else None
             if depth_nll is not None:
                 # = F.cross_entropy(z, shift_labels, reduction="none"), bitwise, without autograd
                 with torch.no_grad():
-                    src = logp if logp is not None else z_full.float().log_softmax(-1)
-                    nll = -src.gather(-1, shift_labels.clamp_min(0)[..., None]).squeeze(-1)
-                    nll = nll.masked_fill(shift_labels == -100, 0.0)
+                    src = logp if logp is not None else z_loss.float().log_softmax(-1)
+                    target = pick(shift_labels)
+                    nll = -src.gather(-1, target.clamp_min(0)[..., None]).squeeze(-1)
+                    nll = nll.masked_fill(target == -100, 0.0)
+                    if rows is not None:  # unlabelled positions: 0, as masked above
+                        nll = nll.new_zeros(B * T).index_copy(0, rows, nll).view(B, T)
                 depth_nll[..., d - 1] = torch.where(keep, nll, torch.full_like(nll, float("nan")))
 
         # decide who continues to depth d + 1
@@ -405,7 +422,8 @@ def run_depth_loop(
         stop = act & ~nxt
         backend.end_depth(d, run, stop)
         if combiner is not None:
-            combiner.add(d, z_full, logp, act, stop, ctx.signals[d - 1] if d <= len(ctx.signals) else None)
+            signal = ctx.signals[d - 1] if d <= len(ctx.signals) else None
+            combiner.add(d, z_loss, logp, pick(act), pick(stop), pick(signal) if signal is not None else None)
         if d < D:
             active.append(nxt)
         act = nxt
@@ -421,17 +439,21 @@ def run_depth_loop(
 
     if combiner is not None:
         if d_last == 0:  # no real token in the step
-            logits = e.new_zeros(B, T, model.config.vocab_size)
+            shape = (B, T) if rows is None else (rows.numel(),)
+            logits = e.new_zeros(*shape, model.config.vocab_size)
         else:
-            logits = combiner.logits(depths)
-        logits = _keep(logits, logits_to_keep)
+            logits = combiner.logits(pick(depths))
+        logits = _keep(logits, logits_to_keep) if rows is None else logits
     else:
         final = h
         if st is not None:
             while len(states) < D:
                 states.append(states[-1])
             final = sum(st[..., k, None].to(e.dtype) * states[k] for k in range(D))
-        logits = backend.final_readout(final, logits_to_keep)
+        if rows is None:
+            logits = backend.final_readout(final, logits_to_keep)
+        else:
+            logits = backend.final_readout_rows(final, rows)
     backend.finish(d_last, h, depths)
 
     return LoopResult(

@@ -27,6 +27,7 @@ import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import GenerationMixin, LlamaConfig, PreTrainedModel, Qwen3Config
+from transformers.loss.loss_utils import fixed_cross_entropy
 
 from .backends import CachedStep, FullSequence
 from .cache import DepthKVCache
@@ -267,6 +268,7 @@ class LoopedForCausalLM(PreTrainedModel):
         exit_threshold: float | None = None,
         step_schedule=None,
         output_router_logits: bool | None = None,
+        labelled_logits_only: bool = False,
         **kwargs,
     ) -> LoopedCausalLMOutput:
         """Run the looped model on a full sequence, or decode incrementally with a cache.
@@ -301,6 +303,14 @@ class LoopedForCausalLM(PreTrainedModel):
                 and add ``config.router_aux_loss_coef`` times it to ``loss``; default
                 ``config.output_router_logits`` (True). TaH2's needs the per-depth losses, so it
                 also runs the gradient-free lookahead iteration.
+            labelled_logits_only: with labels, run the LM head and every vocabulary-wide operation of
+                the loss (log-softmax, TaH2's mixture, the per-depth losses) only at the positions
+                with a next-token label (``labels[:, t + 1] != -100``): ``logits`` is then ``[N, V]``
+                for those positions in row-major order (``logits_rows`` holds their flat indices into
+                ``B * T``), and ``loss``, ``aux_loss`` and the other outputs are those of the full
+                forward. Saves time and memory when prompts are not trained on (completion-only SFT):
+                ``RetrofitSFTTrainer`` uses it for training steps. Not with a cache,
+                ``output_depth_logits``, ``logits_to_keep`` or a logit-reading exit (``"kl"``).
 
         Returns:
             ``LoopedCausalLMOutput``.
@@ -318,6 +328,27 @@ class LoopedForCausalLM(PreTrainedModel):
         depth, policy = resolve_exit_policy(exit_policy, exit_threshold, depth)
         rule = exit_rule_for(forced_depths(depth, B, T, x.device, self.loop.max_depth), policy)
         schedule = build_step_schedule(step_schedule)
+        loss_rows = None
+        if labelled_logits_only:
+            problem = (
+                "labels"
+                if labels is None
+                else "a cache"
+                if cached
+                else "output_depth_logits"
+                if output_depth_logits
+                else "logits_to_keep"
+                if not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
+                else "shift_labels"
+                if kwargs.get("shift_labels") is not None
+                else f"the {policy!r} exit"
+                if rule.needs_logits
+                else None
+            )
+            if problem is not None:
+                verb = "needs" if problem == "labels" else "does not work with"
+                raise ValueError(f"labelled_logits_only {verb} {problem}")
+            loss_rows = (shifted_labels(labels).reshape(-1) != -100).nonzero().squeeze(1)
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", True)
         want_aux = labels is not None and bool(output_router_logits)
@@ -340,6 +371,7 @@ class LoopedForCausalLM(PreTrainedModel):
             output_depth_logits=output_depth_logits,
             backprop_depth=backprop_depth,
             logits_to_keep=logits_to_keep,
+            loss_rows=loss_rows,
         )
         out = LoopedCausalLMOutput(
             logits=res.logits,
@@ -351,14 +383,24 @@ class LoopedForCausalLM(PreTrainedModel):
             depth_logits=res.depth_logits,
             active=res.active,
             cache=backend.cache if cached else None,
+            logits_rows=loss_rows,
         )
         if labels is not None:
             loss_kwargs = {
                 k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "shift_labels", "ignore_index")
             }
-            out.loss = self.loss_function(
-                logits=out.logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs
-            )
+            if loss_rows is None:
+                out.loss = self.loss_function(
+                    logits=out.logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs
+                )
+            else:  # ForCausalLMLoss on the labelled rows: the same sum (or mean) over the same targets
+                target = shifted_labels(labels).reshape(-1).index_select(0, loss_rows)
+                out.loss = fixed_cross_entropy(
+                    out.logits.float(),
+                    target,
+                    loss_kwargs.get("num_items_in_batch"),
+                    loss_kwargs.get("ignore_index", -100),
+                )
             aux = None
             if want_aux and not _halting_signals_finite(out):
                 # diverged decider weights: TaH2's BCE raises on NaN input, so no op runs on them; a NaN

@@ -20,7 +20,8 @@ class LoopedCausalLMOutput(ModelOutput):
             mixture-of-experts models add their router loss.
         logits: ``[B, T, V]``. For a TaH2 mixture: ``log p_mix + logsumexp(z^(d*))``, i.e. the log
             mixture shifted per token by the exit depth's log-partition, so that a one-depth mixture
-            returns that depth's raw logits and ``softmax(logits) = p_mix``.
+            returns that depth's raw logits and ``softmax(logits) = p_mix``. With
+            ``labelled_logits_only=True``: ``[N, V]`` at the positions ``logits_rows`` only.
         depths: ``[B, T]`` long, each token's exit depth (1-based; 0 for padding of a cached step).
         depth_probs: ``[B, T, D]`` the method's halting distribution (TaH2: mixture weights π;
             ANIRA: q); None for ``fixed`` and under a forced depth (no decider runs).
@@ -38,6 +39,8 @@ class LoopedCausalLMOutput(ModelOutput):
             ``γ · L_C``; ``retrofit.halting``), when labels are given and the method has one.
         aux_metrics: detached scalars of the auxiliary loss to log (TaH2: ``decider_loss``,
             ``kappa``, …; ANIRA: ``kl_prior``, ``expected_depth_q``).
+        logits_rows: ``[N]`` flat indices into ``B * T`` of the rows of ``logits`` under
+            ``labelled_logits_only=True`` (the positions with a next-token label); else None.
     """
 
     loss: torch.Tensor | None = None
@@ -52,6 +55,7 @@ class LoopedCausalLMOutput(ModelOutput):
     cache: object | None = None
     aux_loss: torch.Tensor | None = None
     aux_metrics: dict | None = None
+    logits_rows: torch.Tensor | None = None
 
 
 @dataclass

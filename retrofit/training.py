@@ -288,6 +288,8 @@ class RetrofitSFTTrainer(SFTTrainer):
         if num_items_in_batch is not None:
             fwd["num_items_in_batch"] = num_items_in_batch
         if mode == "train":
+            # the loss path's vocabulary-wide work only where a label is: the same loss and gradients
+            fwd["labelled_logits_only"] = True
             fwd.update(method.train_forward_kwargs(self.args))
             if self.args.truncate_backprop is not None:
                 fwd["backprop_depth"] = self.args.truncate_backprop
@@ -474,7 +476,12 @@ class RetrofitSFTTrainer(SFTTrainer):
         counts = torch.stack([((depths == d) & valid).sum() for d in range(1, D + 1)]).float()
         logits = outputs.logits
         shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
-        correct = ((logits.argmax(-1) == shift) & ans).sum().float()
+        if outputs.logits_rows is not None:  # logits of the labelled positions only
+            rows = outputs.logits_rows
+            hit = (logits.argmax(-1) == shift.reshape(-1)[rows]) & ans.reshape(-1)[rows]
+        else:
+            hit = (logits.argmax(-1) == shift) & ans
+        correct = hit.sum().float()
         n_ans = ans.sum().float()
         # the next-token loss is this micro-batch's NLL sum over num_items_in_batch (or its own count)
         ntp_sum = ntp.detach().float() * (num_items_in_batch if num_items_in_batch is not None else n_ans.clamp_min(1))
