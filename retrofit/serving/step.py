@@ -16,7 +16,8 @@ from .methods import ExitSpec
 from .requests import TokenGroup
 from .sampling import sample
 
-LM_HEAD_MIN_ROWS = 16  # see StepExecution._logits
+# CPU: LM head inputs of LM_HEAD_PAD_FROM .. LM_HEAD_PAD_ROWS - 1 rows are padded (StepExecution._logits)
+LM_HEAD_PAD_FROM, LM_HEAD_PAD_ROWS = 7, 16
 
 
 class StepExecution:
@@ -30,17 +31,17 @@ class StepExecution:
     def _logits(self, y: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head of exit states ``y`` ``[n, H]`` -> ``[n, V]``.
 
-        On CPU the head's input is padded with zero rows to ``LM_HEAD_MIN_ROWS``: MKL's fp32 GEMM takes
-        another, much slower path below 16 rows for the head's wide output (one thread, 32000 × 512 head
-        read from memory: 10 rows 29 ms, 15 rows 36 ms, 16 rows 15 ms), and a mixed-depth step reads out
-        the few rows that exit at every step, where a fixed-depth batch reads out all its rows every
-        ``D``-th step. Each row's logits do not depend on the padding (rows of a GEMM are independent;
-        from 16 rows up MKL's results are also bitwise the same whatever the row count)."""
+        On CPU, 7 to 15 rows are padded with zero rows to ``LM_HEAD_PAD_ROWS`` (16): for the head's wide
+        output MKL's fp32 GEMM takes another, much slower path below 16 rows (one thread, 32000 × 512 head
+        read from memory, median ms: 1 row 6.6, 4 rows 13.9, 7 rows 20.9, 10 rows 27.6, 15 rows 34.3, 16
+        rows 14.2; padded to 16: 13–16 whatever the rows), so padding pays from 7 rows on. It matters because
+        a mixed-depth step reads out the ~B / d̄ rows that exit at *every* step, where a fixed-depth batch
+        reads out all B rows every D-th step. A row's logits do not depend on the padding rows."""
         model = self.model
         x = model.model.norm(y)
         n = x.shape[0]
-        if x.device.type == "cpu" and n < LM_HEAD_MIN_ROWS:
-            x = torch.cat([x, x.new_zeros(LM_HEAD_MIN_ROWS - n, x.shape[1])])
+        if x.device.type == "cpu" and LM_HEAD_PAD_FROM <= n < LM_HEAD_PAD_ROWS:
+            x = torch.cat([x, x.new_zeros(LM_HEAD_PAD_ROWS - n, x.shape[1])])
             return model.lm_head(x)[:n]
         return model.lm_head(x)
 
