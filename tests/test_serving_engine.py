@@ -257,6 +257,32 @@ def test_core_runs_once_per_step_on_rows_of_every_depth():
     assert mixed_steps > 0, "some step should hold rows of several requests at several depths"
 
 
+def test_lm_head_padding_keeps_each_rows_logits():
+    """``_logits`` pads 7–15 rows to 16 on CPU (a faster MKL path) and returns, for any row count, each row's
+    own final norm + LM head (brute force: one row at a time)."""
+    from retrofit.serving.step import LM_HEAD_PAD_FROM, LM_HEAD_PAD_ROWS
+
+    model = looped("qwen3", "anira-e", "middle", head_seed=1)
+    eng = Engine(model, TOK, max_seqs=2, kv_budget_bytes=1 << 20)
+    seen = []
+    hook = model.lm_head.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+    g = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for n in range(1, 21):
+                y = torch.randn(n, model.config.hidden_size, generator=g)
+                seen.clear()
+                got = eng._logits(y)
+                padded = LM_HEAD_PAD_FROM <= n < LM_HEAD_PAD_ROWS
+                assert seen == [LM_HEAD_PAD_ROWS if padded else n]
+                assert got.shape == (n, model.config.vocab_size)
+                for i in range(n):
+                    want = model.lm_head(model.model.norm(y[i : i + 1]))[0]
+                    torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
+    finally:
+        hook.remove()
+
+
 def test_admission_waits_for_the_kv_budget():
     """With room for one request's worst case only, requests wait in the queue and run one after another."""
     model = looped("qwen3", "tah2", "middle", head_seed=2)

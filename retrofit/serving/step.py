@@ -16,6 +16,9 @@ from .methods import ExitSpec
 from .requests import TokenGroup
 from .sampling import sample
 
+# CPU: LM head inputs of LM_HEAD_PAD_FROM .. LM_HEAD_PAD_ROWS - 1 rows are padded (StepExecution._logits)
+LM_HEAD_PAD_FROM, LM_HEAD_PAD_ROWS = 7, 16
+
 
 class StepExecution:
     """The tensor work of one engine step (mixed into ``Engine``; see the module docstring)."""
@@ -24,6 +27,23 @@ class StepExecution:
     def _rope(self, x: torch.Tensor, pos: torch.Tensor):
         cos, sin = self.model.model.rotary_emb(x[None], pos[None])
         return cos[0], sin[0]
+
+    def _logits(self, y: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head of exit states ``y`` ``[n, H]`` -> ``[n, V]``.
+
+        On CPU, 7 to 15 rows are padded with zero rows to ``LM_HEAD_PAD_ROWS`` (16): for the head's wide
+        output MKL's fp32 GEMM takes another, much slower path below 16 rows (one thread, 32000 × 512 head
+        read from memory, median ms: 1 row 6.6, 4 rows 13.9, 7 rows 20.9, 10 rows 27.6, 15 rows 34.3, 16
+        rows 14.2; padded to 16: 13–16 whatever the rows), so padding pays from 7 rows on. It matters because
+        a mixed-depth step reads out the ~B / d̄ rows that exit at *every* step, where a fixed-depth batch
+        reads out all B rows every D-th step. A row's logits do not depend on the padding rows."""
+        model = self.model
+        x = model.model.norm(y)
+        n = x.shape[0]
+        if x.device.type == "cpu" and LM_HEAD_PAD_FROM <= n < LM_HEAD_PAD_ROWS:
+            x = torch.cat([x, x.new_zeros(LM_HEAD_PAD_ROWS - n, x.shape[1])])
+            return model.lm_head(x)[:n]
+        return model.lm_head(x)
 
     def _units(self, groups_rows: list[list[int]]):
         """Per unit ``(start, count)`` in the concatenated row order; single = every unit has one row."""
@@ -258,7 +278,7 @@ class StepExecution:
                 take.extend(off + i for i, a in enumerate(g.active) if a)
                 off += len(g.rows)
             y = x[torch.tensor(take, device=dev)] if take else None
-        z = model.lm_head(model.model.norm(y)) if y is not None else None
+        z = self._logits(y) if y is not None else None
         return z, zpos
 
     def _finish_groups(self, finished: list[TokenGroup]) -> None:
@@ -303,7 +323,7 @@ class StepExecution:
                 y = x[last]
             else:
                 y = self.h[last_rows]
-            logits = model.lm_head(model.model.norm(y))
+            logits = self._logits(y)
         greedy = [g.seq.req.params.greedy for g in finished]
         argmax = logits.argmax(-1).tolist() if any(greedy) else None
         now = time.monotonic()
