@@ -4,7 +4,7 @@ Retrofits a pretrained causal LM into a looped model with a token-level iteratio
 with SFT: next-token loss on the halting-weighted mixture of per-depth distributions, plus α_D · the
 cost-sensitive BCE of the decider against lookahead labels.
 
-With no arguments this is the main job (README's first command), about 26 minutes on 2 CPU cores
+With no arguments this is the main job (README's first command), about 20 minutes on 2 CPU cores
 (preset ``recipes/configs/tah2_llama.yaml``, which explains its choices): it retrofits the embedded
 SmolLM2-135M-Instruct (a real pretrained Llama, no network needed), checks that depth-1 logits equal the
 base model's, fine-tunes it, trains the same-budget SFT control, evaluates the untrained base, the looped
