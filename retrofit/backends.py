@@ -125,9 +125,11 @@ class FullSequence:
             h = call_layer(self.model, layer, h, self.plain_mask, self.pe, self.pos, self.store, 0)
         return h
 
-    def _readout(self, h):
-        """Coda (if any) + final norm + LM head: ``[B, T, H]`` -> ``[B, T, V]``."""
-        return head(self.model, self._coda(h))
+    def _readout(self, h, rows=None):
+        """Coda (if any) + final norm + LM head: ``[B, T, H]`` -> ``[B, T, V]``, or ``[N, V]`` at the flat
+        positions ``rows`` only (the coda still runs over the whole sequence)."""
+        y = self._coda(h)
+        return head(self.model, y if rows is None else y.reshape(-1, y.shape[-1]).index_select(0, rows))
 
     def readout(self, d, h, raw, run, la, separate_lookahead=False):
         raw = raw.view_as(h)
@@ -156,32 +158,22 @@ class FullSequence:
         Returns:
             ``(z_full, z_rows)``: ``[B, T, V]`` or None, and ``[N, V]``.
         """
-        y = self._coda(h)
-        H = y.shape[-1]
-        y_la = None
-        if la is not None and bool(la.any()):
-            with torch.no_grad():
-                y_la = self._coda(torch.where(la[..., None], raw.view_as(h), h)).reshape(-1, H)
-
-        def lookahead(z, at, src):  # rows ``at`` of z [M, V] <- the lookahead logits of positions ``src``
-            with torch.no_grad():
-                z_la = head(self.model, y_la.index_select(0, src))
-            return z.index_copy(0, at, z_la.to(z.dtype))
-
         if full:
-            z = head(self.model, y)
-            z_full = z.reshape(-1, z.shape[-1])
-            if y_la is not None:
-                at = la.reshape(-1).nonzero().squeeze(1)
-                z_full = lookahead(z_full, at, at)
-            return z_full.view_as(z), z_full.index_select(0, rows)
-        z_rows = head(self.model, y.reshape(-1, H).index_select(0, rows))
-        if y_la is not None:
-            la_rows = la.reshape(-1).index_select(0, rows)
-            if bool(la_rows.any()):
-                at = la_rows.nonzero().squeeze(1)
-                z_rows = lookahead(z_rows, at, rows.index_select(0, at))
-        return None, z_rows
+            z = self._readout(h)
+            z_flat = z.reshape(-1, z.shape[-1])
+            at = la.reshape(-1).nonzero().squeeze(1) if la is not None else None
+            src = at
+        else:
+            z_flat = self._readout(h, rows)
+            at = la.reshape(-1).index_select(0, rows).nonzero().squeeze(1) if la is not None else None
+            src = rows.index_select(0, at) if at is not None else None
+        if at is not None and at.numel():  # rows ``at`` <- the lookahead logits of positions ``src``
+            with torch.no_grad():
+                z_la = self._readout(torch.where(la[..., None], raw.view_as(h), h), src)
+            z_flat = z_flat.index_copy(0, at, z_la.to(z_flat.dtype))
+        if full:
+            return z_flat.view_as(z), z_flat.index_select(0, rows)
+        return None, z_flat
 
     def end_depth(self, d, run, stop):
         pass
@@ -191,8 +183,7 @@ class FullSequence:
 
     def final_readout_rows(self, final, rows):
         """``final_readout`` at the flat positions ``rows`` only: ``[B, T, H]`` -> ``[N, V]``."""
-        y = self._coda(final)
-        return head(self.model, y.reshape(-1, y.shape[-1]).index_select(0, rows))
+        return self._readout(final, rows)
 
     def finish(self, d_last, h, depths):
         pass

@@ -328,27 +328,22 @@ class LoopedForCausalLM(PreTrainedModel):
         depth, policy = resolve_exit_policy(exit_policy, exit_threshold, depth)
         rule = exit_rule_for(forced_depths(depth, B, T, x.device, self.loop.max_depth), policy)
         schedule = build_step_schedule(step_schedule)
+        shift = shifted_labels(labels) if labels is not None else None
         loss_rows = None
         if labelled_logits_only:
-            problem = (
-                "labels"
-                if labels is None
-                else "a cache"
-                if cached
-                else "output_depth_logits"
-                if output_depth_logits
-                else "logits_to_keep"
-                if not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
-                else "shift_labels"
-                if kwargs.get("shift_labels") is not None
-                else f"the {policy!r} exit"
-                if rule.needs_logits
-                else None
-            )
-            if problem is not None:
-                verb = "needs" if problem == "labels" else "does not work with"
-                raise ValueError(f"labelled_logits_only {verb} {problem}")
-            loss_rows = (shifted_labels(labels).reshape(-1) != -100).nonzero().squeeze(1)
+            if labels is None:
+                raise ValueError("labelled_logits_only needs labels")
+            conflicts = [
+                ("a cache", cached),
+                ("output_depth_logits", output_depth_logits),
+                ("logits_to_keep", not (isinstance(logits_to_keep, int) and logits_to_keep == 0)),
+                ("shift_labels", kwargs.get("shift_labels") is not None),
+                (f"the {policy!r} exit", rule.needs_logits),
+            ]
+            for name, present in conflicts:
+                if present:
+                    raise ValueError(f"labelled_logits_only does not work with {name}")
+            loss_rows = (shift.reshape(-1) != -100).nonzero().squeeze(1)
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", True)
         want_aux = labels is not None and bool(output_router_logits)
@@ -367,7 +362,7 @@ class LoopedForCausalLM(PreTrainedModel):
             backend,
             rule,
             schedule,
-            shift_labels=shifted_labels(labels) if depth_losses else None,
+            shift_labels=shift if depth_losses else None,
             output_depth_logits=output_depth_logits,
             backprop_depth=backprop_depth,
             logits_to_keep=logits_to_keep,
@@ -394,7 +389,7 @@ class LoopedForCausalLM(PreTrainedModel):
                     logits=out.logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs
                 )
             else:  # ForCausalLMLoss on the labelled rows: the same sum (or mean) over the same targets
-                target = shifted_labels(labels).reshape(-1).index_select(0, loss_rows)
+                target = shift.reshape(-1).index_select(0, loss_rows)
                 out.loss = fixed_cross_entropy(
                     out.logits.float(),
                     target,

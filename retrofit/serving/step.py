@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from ..backends import head
 from .methods import ExitSpec
 from .requests import TokenGroup
 from .sampling import sample
@@ -37,13 +38,11 @@ class StepExecution:
         rows 14.2; padded to 16: 13–16 whatever the rows), so padding pays from 7 rows on. It matters because
         a mixed-depth step reads out the ~B / d̄ rows that exit at *every* step, where a fixed-depth batch
         reads out all B rows every D-th step. A row's logits do not depend on the padding rows."""
-        model = self.model
-        x = model.model.norm(y)
-        n = x.shape[0]
-        if x.device.type == "cpu" and LM_HEAD_PAD_FROM <= n < LM_HEAD_PAD_ROWS:
-            x = torch.cat([x, x.new_zeros(LM_HEAD_PAD_ROWS - n, x.shape[1])])
-            return model.lm_head(x)[:n]
-        return model.lm_head(x)
+        n = y.shape[0]
+        if y.device.type == "cpu" and LM_HEAD_PAD_FROM <= n < LM_HEAD_PAD_ROWS:
+            # a zero row stays zero through the RMS norm, and rows do not mix
+            return head(self.model, torch.cat([y, y.new_zeros(LM_HEAD_PAD_ROWS - n, y.shape[1])]))[:n]
+        return head(self.model, y)
 
     def _units(self, groups_rows: list[list[int]]):
         """Per unit ``(start, count)`` in the concatenated row order; single = every unit has one row."""
