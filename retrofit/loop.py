@@ -333,14 +333,15 @@ def run_depth_loop(
         schedule: a ``StepSchedule``.
         shift_labels: ``[B, T]`` next-token labels (-100 ignored): also compute ``depth_nll``, with the
             gradient-free lookahead iteration ``d* + 1`` of every exited token (TaH2 §3). Full backend only.
-        output_depth_logits: also return every depth's logits ``[D, B, T, V]`` (NaN where not computed).
+        output_depth_logits: also return every depth's logits ``[D, B, T, V]`` (NaN where not computed;
+            ``[D, N, V]`` with ``loss_rows``).
         backprop_depth: truncated backprop: iterations ``d ≤ n - k`` run without autograd.
         logits_to_keep: as in ``forward``.
         loss_rows: ``[N]`` flat indices (into ``B * T``) of the positions with a next-token label: the
             vocabulary-wide work of the loss path (LM head, log-softmax, TaH2's mixture, ``depth_nll``)
             runs on those positions only, and ``logits`` is ``[N, V]`` for them, in that order. Every
-            other output is as without it. Full-sequence backend only; not with ``output_depth_logits``
-            or an exit rule that reads logits.
+            other output is as without it. Full-sequence backend only; not with an exit rule that reads
+            logits.
     """
     method, loop = model.halting, model.loop
     D = loop.max_depth
@@ -357,8 +358,8 @@ def run_depth_loop(
         raise ValueError(f"backprop_depth must be None or an int >= 1, got {backprop_depth!r}")
     n_unroll = rule.last_depth or D
     rows = loss_rows
-    if rows is not None and (output_depth_logits or rule.needs_logits or not hasattr(backend, "readout_rows")):
-        raise ValueError("loss_rows needs the full-sequence backend, no output_depth_logits and no logit-reading exit")
+    if rows is not None and (rule.needs_logits or not hasattr(backend, "readout_rows")):
+        raise ValueError("loss_rows needs the full-sequence backend and no logit-reading exit")
     pick = (lambda t: t.reshape(-1).index_select(0, rows)) if rows is not None else (lambda t: t)
 
     act = backend.first_active(B, T)
@@ -393,7 +394,8 @@ def run_depth_loop(
                 z_full, z_loss = backend.readout_rows(d, h, raw, la, rows, full=combiner is not None and d < D)
             keep = act if la is None else (act | la)
             if depth_logits is not None:
-                depth_logits.append(z_full.masked_fill(~keep[..., None], float("nan")))
+                z_d, keep_d = (z_full, keep) if rows is None else (z_loss, pick(keep))
+                depth_logits.append(z_d.masked_fill(~keep_d[..., None], float("nan")))
             # the mixture's log-softmax doubles as the source of the per-depth losses
             logp = z_loss.float().log_softmax(-1) if (combiner is not None and combiner.needs_log_probs) else None
             if depth_nll is not None:

@@ -288,7 +288,8 @@ class LoopedForCausalLM(PreTrainedModel):
                 ``1 … max_depth``; ``None`` lets the halting method decide. A forced depth runs no
                 decider: the output is each token's exit-depth readout (no TaH2 mixture).
             output_depth_losses: also return ``depth_nll`` (needs labels).
-            output_depth_logits: also return every depth's logits ``[D, B, T, V]``.
+            output_depth_logits: also return every depth's logits ``[D, B, T, V]`` (``[D, B, K, V]`` at the
+                ``K`` positions of ``logits_to_keep``).
             backprop_depth: truncated backprop (Huginn): gradients flow through the last ``k`` core
                 iterations only; iterations ``d ≤ n - k`` (``n`` = the largest forced depth, else
                 ``max_depth``) run without autograd, so their activations are not stored. ``None``
@@ -303,6 +304,10 @@ class LoopedForCausalLM(PreTrainedModel):
                 and add ``config.router_aux_loss_coef`` times it to ``loss``; default
                 ``config.output_router_logits`` (True). TaH2's needs the per-depth losses, so it
                 also runs the gradient-free lookahead iteration.
+            logits_to_keep: ``k > 0``: logits of the last ``k`` positions only; a 1-D index tensor: of those
+                positions (``logits`` ``[B, k, V]``, as in transformers). Without labels or a cache,
+                every depth's LM head, TaH2's mixture and the final readout run at
+                those positions only (the decider's features still read every position's depth-d logits).
             labelled_logits_only: with labels, run the LM head and every vocabulary-wide operation of
                 the loss (log-softmax, TaH2's mixture, the per-depth losses) only at the positions
                 with a next-token label (``labels[:, t + 1] != -100``): ``logits`` is then ``[N, V]``
@@ -344,6 +349,13 @@ class LoopedForCausalLM(PreTrainedModel):
                 if present:
                     raise ValueError(f"labelled_logits_only does not work with {name}")
             loss_rows = (shift.reshape(-1) != -100).nonzero().squeeze(1)
+        kept = None
+        if loss_rows is None and labels is None and not cached and not rule.needs_logits:
+            # logits_to_keep (HF's "logits of these positions only", e.g. the last one in prefill): run the
+            # loop's vocabulary-wide work (every depth's LM head but the decider's, TaH2's mixture) only there
+            kept = _kept_positions(logits_to_keep, T, x.device)
+            if kept is not None:
+                loss_rows = (torch.arange(B, device=x.device)[:, None] * T + kept[None]).reshape(-1)
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", True)
         want_aux = labels is not None and bool(output_router_logits)
@@ -368,14 +380,19 @@ class LoopedForCausalLM(PreTrainedModel):
             logits_to_keep=logits_to_keep,
             loss_rows=loss_rows,
         )
+        logits, depth_logits = res.logits, res.depth_logits
+        if kept is not None:  # [B * K, V] in row-major order -> [B, K, V], as HF returns kept logits
+            logits, loss_rows = logits.view(B, kept.numel(), -1), None
+            if depth_logits is not None:
+                depth_logits = depth_logits.view(depth_logits.shape[0], B, kept.numel(), -1)
         out = LoopedCausalLMOutput(
-            logits=res.logits,
+            logits=logits,
             depths=res.depths,
             depth_probs=res.depth_probs,
             halt_signals=res.halt_signals,
             depth_logits_q=res.depth_logits_q,
             depth_nll=res.depth_nll,
-            depth_logits=res.depth_logits,
+            depth_logits=depth_logits,
             active=res.active,
             cache=backend.cache if cached else None,
             logits_rows=loss_rows,
@@ -423,6 +440,21 @@ class LoopedForCausalLM(PreTrainedModel):
         if model_kwargs.get("cache") is None and generation_config.use_cache is not False:
             model_kwargs["cache"] = DepthKVCache(self.config)
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+
+def _kept_positions(logits_to_keep, T: int, device) -> torch.Tensor | None:
+    """The positions ``[K]`` (in ``0 … T-1``, in the given order) that ``logits_to_keep`` keeps; None for all."""
+    if isinstance(logits_to_keep, int):
+        if logits_to_keep <= 0 or logits_to_keep >= T:
+            return None
+        return torch.arange(T - logits_to_keep, T, device=device)
+    if (
+        isinstance(logits_to_keep, torch.Tensor)
+        and logits_to_keep.dim() == 1
+        and not logits_to_keep.is_floating_point()
+    ):
+        return logits_to_keep.to(device).long() % T
+    return None
 
 
 def _halting_signals_finite(out: LoopedCausalLMOutput) -> bool:

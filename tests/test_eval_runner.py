@@ -812,6 +812,47 @@ def test_evaluate_task_teacher_forced_accuracy(looped, tok):
     assert "generation_accuracy" in res["exit_policies"]["kl"]
 
 
+@pytest.mark.parametrize(
+    "loop",
+    [
+        dict(method="tah2", max_depth=3, prelude=1, core=2),  # duo-causal, coda of 1 layer
+        dict(method="anira-e", max_depth=3, prelude=1, core=2),  # same-depth attention
+        dict(method="tah2", max_depth=2),  # whole-stack loop, no coda
+    ],
+)
+def test_forced_depths_from_one_forward_equal_separate_passes(tok, loop):
+    """forced_depths_argmax (one depth-D forward, every depth read out at the kept positions) gives, row by
+    row, what argmax_pass with depth=d gives for every d: row correctness, token correctness, step depths."""
+    import retrofit
+    from retrofit.evaluation.decoding import stop_rule
+    from retrofit.evaluation.teacher_forced import argmax_pass, forced_depths_argmax
+    from retrofit.testing import tiny_base
+
+    with torch.random.fork_rng():
+        torch.manual_seed(4)
+        model = retrofit.convert(tiny_base("llama", seed=4), retrofit.LoopConfig(**loop)).eval()
+        with torch.no_grad():
+            model.updater.w2.weight.normal_(0.0, 0.5)  # depths really differ
+    rows = R.task_rows("mano", [2, 3, 4], n=4, seed=5)
+    opts = EvalOptions(accuracy="teacher_forced_argmax", progress=False, batch_size=5)
+    examples = prepare(rows, tok, opts)
+    info, is_stop = model_info(model), stop_rule(model, tok)
+    max_new = max(len(e.answer_ids) for e in examples) + 2
+    got = forced_depths_argmax(model, info, examples, pad_id(tok), opts, is_stop, max_new, "tf")
+    assert sorted(got) == list(range(1, loop["max_depth"] + 1))
+    differ = 0
+    for d, res in got.items():
+        ref = argmax_pass(model, info, examples, pad_id(tok), opts, is_stop, max_new, "tf", depth=d)
+        for a, b in zip(res, ref):
+            assert a["row_correct"] == b["row_correct"]
+            assert a["token_correct"].tolist() == b["token_correct"].tolist()
+            assert a["step_depths"].tolist() == b["step_depths"].tolist() == [d] * len(b["step_depths"])
+        differ += any(
+            x["token_correct"].tolist() != y["token_correct"].tolist() for x, y in zip(res, got[1])
+        )  # depths disagree somewhere: a mix-up of depths would show
+    assert differ >= 1
+
+
 # ----------------------------------------------------------------------------------------------
 # LANO / BREVO on the model's own strings
 # ----------------------------------------------------------------------------------------------

@@ -101,3 +101,35 @@ def test_labelled_rows_errors_name_the_conflict():
         model(input_ids=ids, labels=labels, labelled_logits_only=True, output_depth_logits=True)
     with pytest.raises(ValueError, match="does not work with logits_to_keep"):
         model(input_ids=ids, labels=labels, labelled_logits_only=True, logits_to_keep=1)
+
+
+@pytest.mark.parametrize("family,loop", CASES)
+@pytest.mark.parametrize("keep", [1, 5, "positions"])
+def test_logits_to_keep_matches_the_full_forward(family, loop, keep):
+    """``logits_to_keep`` without labels runs the loop's readouts at the kept positions only (the decider still
+    reads every position's logits): the kept logits, exit depths and depth distributions equal the full
+    forward's."""
+    model = _model(family, loop).eval()
+    ids, _, mask = _batch()
+    T = ids.shape[1]
+    rows_seen = []
+    hook = model.lm_head.register_forward_hook(
+        lambda m, a, o: rows_seen.append(a[0].reshape(-1, a[0].shape[-1]).shape[0])
+    )
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask)
+        n_full = sum(rows_seen)
+        rows_seen.clear()
+        arg = torch.tensor([2, 7, 12]) if keep == "positions" else keep
+        fast = model(input_ids=ids, attention_mask=mask, logits_to_keep=arg)
+    hook.remove()
+    positions = arg if keep == "positions" else torch.arange(T - keep, T)
+    assert fast.logits.shape == (ids.shape[0], positions.numel(), full.logits.shape[-1])
+    torch.testing.assert_close(fast.logits, full.logits[:, positions], atol=1e-5, rtol=1e-5)
+    assert torch.equal(fast.depths, full.depths)
+    for name in ("halt_signals", "depth_probs"):
+        a, b = getattr(full, name), getattr(fast, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=name)
+    assert sum(rows_seen) < n_full  # the LM head really ran on fewer rows

@@ -37,7 +37,7 @@ from .policies import cat, exit_policies, mean, seq_acc
 from .rows import prepare, split_of, task_rows
 from .stats import wilson_interval
 from .structure import generated_examples
-from .teacher_forced import argmax_pass, teacher_forced
+from .teacher_forced import argmax_pass, forced_depths_argmax, teacher_forced
 
 __all__ = ["TaskArrays", "evaluate_task", "evaluate_task_arrays"]
 
@@ -350,8 +350,17 @@ def _evaluate_task(
         if opts.forced_depths:
             forced_acc: dict[int, float] = {}
             forced_by_level: dict[int, dict[Any, float]] = {}
+            # greedy exact match: every forced depth from one depth-D forward (exact); generation: one run per depth
+            by_depth = (
+                forced_depths_argmax(model, info, examples, pad, opts, is_stop, max_new, f"{tag} depths 1-{D}")
+                if tf_mode and D > 1
+                else None
+            )
             for d in range(1, D + 1):
-                c_d, _, _ = outcomes(f"depth {d}", depth=d)
+                if by_depth is not None:
+                    c_d = np.array([r["row_correct"] for r in by_depth[d]], dtype=bool)
+                else:
+                    c_d, _, _ = outcomes(f"depth {d}", depth=d)
                 forced_acc[d] = float(c_d.mean())
                 forced_by_level[d] = {
                     lvl: float(np.mean([c for c, e in zip(c_d, examples) if e.level == lvl])) for lvl in levels_sorted

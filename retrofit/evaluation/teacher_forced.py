@@ -39,7 +39,7 @@ from .models import ModelInfo, batches, device, forward, progress_bar
 from .options import EvalOptions
 from .rows import Example
 
-__all__ = ["argmax_pass", "policy_pass", "teacher_forced", "tf_batch"]
+__all__ = ["argmax_pass", "forced_depths_argmax", "policy_pass", "teacher_forced", "tf_batch"]
 
 # Upper bound for the [D, B, T, V] per-depth logits of one forced-depth forward.
 _DEPTH_LOGITS_BUDGET = 512 * 2**20
@@ -233,6 +233,47 @@ def argmax_pass(
             depths = out.depths[r] if info.looped else None
             res[i] = _argmax_row(top[r], off, depths, e, starts[r], is_stop, max_new_tokens)
     return res  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def forced_depths_argmax(
+    model,
+    info: ModelInfo,
+    examples: list[Example],
+    pad: int,
+    opts: EvalOptions,
+    is_stop,
+    max_new_tokens: int,
+    desc: str,
+) -> dict[int, list[dict[str, Any]]]:
+    """:func:`argmax_pass` with every token forced to depth ``d``, for every ``d`` in ``1 … D``, from one
+    forward per batch at depth ``D`` that reads out every depth at the kept positions.
+
+    Exact, not an approximation: with every token running depth ``d`` or more, a depth-``d`` state reads only
+    depth-``j <= d`` keys of earlier tokens (both attention modes), and the depth-``d`` readout runs the coda
+    over every token's depth-``d`` state, so depth ``d`` of the depth-``D`` forward is the depth-``d`` forward
+    (``tests/test_eval_runner.py`` compares it with separate passes). Saves ``D - 1`` forwards.
+
+    Returns:
+        ``{d: per example argmax_pass's dict}``.
+    """
+    dev = device(model)
+    D = info.max_depth
+    res: dict[int, list] = {d: [None] * len(examples) for d in range(1, D + 1)}
+    for chunk in progress_bar(
+        list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
+    ):
+        exs = [examples[i] for i in chunk]
+        ids, mask, starts = tf_batch(exs, pad, dev)
+        keep = _logits_kept(exs)
+        out = forward(model, info, ids, mask, logits_to_keep=keep, depth=D, output_depth_logits=True)
+        tops = out.depth_logits.argmax(-1)  # [D, B, keep]: positions T - keep .. T - 1
+        off = ids.shape[1] - keep
+        for d in range(1, D + 1):
+            depths = torch.full_like(out.depths, d)
+            for r, (i, e) in enumerate(zip(chunk, exs)):
+                res[d][i] = _argmax_row(tops[d - 1, r], off, depths[r], e, starts[r], is_stop, max_new_tokens)
+    return res
 
 
 def _logits_kept(exs: Sequence[Example]) -> int:
