@@ -86,6 +86,12 @@ def summarize(results: dict, task: str, train_levels: list[int], models: list[st
     # every token forced to depth d (all test rows): equal to the adaptive accuracy at d = 1 means the gain
     # over the control comes from how the weights were trained, not from depth spent at inference
     out["looped_forced_depth_accuracy"] = looped.get("forced_depth_accuracy")
+    # the adaptive exits vs each forced depth on the same rows (exact McNemar, bootstrap): does depth at
+    # inference add anything over the depth-1 network the looped weights already are?
+    out["adaptive_vs_forced_depth"] = {
+        d: {k: c.get(k) for k in ("all", "train", "held_out") if c.get(k) is not None}
+        for d, c in (looped.get("adaptive_vs_forced") or {}).items()
+    }
     out["spearman_depth_vs_level"] = overall.get("depth_difficulty_spearman")
     td = looped.get("token_difficulty") or {}
     out["spearman_token_depth_vs_control_loss"] = td.get("spearman")
@@ -231,5 +237,14 @@ def _print_summary(summary: dict) -> None:
         lines.append(
             f"  looped accuracy over all rows: adaptive {adaptive:.3f}; every token forced to depth "
             + ", ".join(f"{d}: {a:.3f}" for d, a in sorted(forced.items(), key=lambda kv: int(kv[0])))
+        )
+    for d, c in sorted((summary.get("adaptive_vs_forced_depth") or {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(
+            f"  adaptive vs every token at depth {d}: "
+            + ", ".join(
+                f"{k} {t['difference']:+.3f} (McNemar p={t['mcnemar_p']:.3g})"
+                for k, t in c.items()
+                if isinstance(t, dict) and "difference" in t
+            )
         )
     print("\n".join(lines))

@@ -786,6 +786,7 @@ def test_evaluate_task_teacher_forced_accuracy(looped, tok):
     """accuracy="teacher_forced_argmax" in evaluate_task: the level accuracy is the argmax pass's,
     forced-depth accuracies come from forced-depth argmax passes, and no generation runs."""
     from retrofit.evaluation.decoding import stop_rule
+    from retrofit.evaluation.stats import mcnemar_exact
     from retrofit.evaluation.teacher_forced import argmax_pass
 
     rows = R.task_rows("mano", [2, 3], n=3, seed=2)
@@ -809,6 +810,15 @@ def test_evaluate_task_teacher_forced_accuracy(looped, tok):
             looped, model_info(looped), examples, pad_id(tok), opts, stop_rule(looped, tok), max_new, "tf", depth=d
         )
         assert res["forced_depth_accuracy"][d] == pytest.approx(np.mean([r["row_correct"] for r in forced]))
+        # the paired test of the adaptive exits vs this forced depth, from the two passes' rows
+        a = np.array([r["row_correct"] for r in ref])
+        b = np.array([r["row_correct"] for r in forced])
+        got = res["adaptive_vs_forced"][d]
+        assert (got["all"]["a_only"], got["all"]["b_only"]) == (int((a & ~b).sum()), int((~a & b).sum()))
+        assert got["all"]["mcnemar_p"] == pytest.approx(mcnemar_exact(int((a & ~b).sum()), int((~a & b).sum())))
+        lv3 = np.array([e.level == 3 for e in examples])
+        assert got["levels"][3]["n"] == int(lv3.sum())
+        assert got["levels"][3]["difference"] == pytest.approx(a[lv3].mean() - b[lv3].mean())
     assert "generation_accuracy" in res["exit_policies"]["kl"]
 
 

@@ -78,6 +78,13 @@ def test_main_job_tiny_budget(tmp_path):
     forced = summary["looped_forced_depth_accuracy"]
     assert set(forced) == {"1", "2"} and all(0.0 <= a <= 1.0 for a in forced.values())
     assert "every token forced to depth 1:" in proc.stdout
+    vs = summary["adaptive_vs_forced_depth"]
+    assert set(vs) == {"1", "2"}
+    for d, c in vs.items():  # the paired test agrees with the accuracies it pairs
+        assert c["all"]["n"] == 12 and 0.0 <= c["all"]["mcnemar_p"] <= 1.0
+        looped_all = summary["mean_accuracy"]["looped"]["all_rows"]
+        assert c["all"]["difference"] == pytest.approx(looped_all - forced[d])
+    assert "adaptive vs every token at depth 1:" in proc.stdout
 
     assert (out / "control-sft" / "final" / "config.json").exists()
     assert json.loads((out / "control-sft" / "final" / "config.json").read_text())["model_type"] == "llama"

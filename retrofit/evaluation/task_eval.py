@@ -35,7 +35,7 @@ from .models import flops_per_token, model_info, pad_id
 from .options import DEFAULT_N, EvalOptions, resolve_options
 from .policies import cat, exit_policies, mean, seq_acc
 from .rows import prepare, split_of, task_rows
-from .stats import wilson_interval
+from .stats import paired_comparison, wilson_interval
 from .structure import generated_examples
 from .teacher_forced import argmax_pass, forced_depths_argmax, teacher_forced
 
@@ -350,6 +350,7 @@ def _evaluate_task(
         if opts.forced_depths:
             forced_acc: dict[int, float] = {}
             forced_by_level: dict[int, dict[Any, float]] = {}
+            forced_correct: dict[int, np.ndarray] = {}
             # greedy exact match: every forced depth from one depth-D forward (exact); generation: one run per depth
             by_depth = (
                 forced_depths_argmax(model, info, examples, pad, opts, is_stop, max_new, f"{tag} depths 1-{D}")
@@ -365,9 +366,15 @@ def _evaluate_task(
                 forced_by_level[d] = {
                     lvl: float(np.mean([c for c, e in zip(c_d, examples) if e.level == lvl])) for lvl in levels_sorted
                 }
+                forced_correct[d] = c_d
                 point(d, c_d, [d])
             result["forced_depth_accuracy"] = forced_acc
             result["forced_depth_accuracy_by_level"] = forced_by_level
+            # does depth at inference matter? the adaptive exits vs every forced depth, paired on the same rows
+            result["adaptive_vs_forced"] = {
+                d: _paired_by_split(correct, c, examples, levels_sorted, is_train, opts)
+                for d, c in forced_correct.items()
+            }
             for lvl in levels_sorted:
                 level_entries[lvl]["forced_accuracy"] = {d: forced_by_level[d][lvl] for d in forced_by_level}
         point("adaptive", correct, gen_depths(steps))
@@ -482,3 +489,19 @@ def _structure_analysis(task, examples, tf, result, notes) -> None:
     n_unaligned = sum(int((e.first_tok < 0).sum()) for e in examples)
     if n_unaligned:
         notes.append(f"{n_unaligned} answer words share a token with the previous word and were dropped")
+
+
+def _paired_by_split(a, b, examples, levels, is_train, opts: EvalOptions) -> dict[str, Any]:
+    """``paired_comparison(a, b)`` over all rows, the training and held-out levels, and each level."""
+
+    def cmp(mask):
+        return paired_comparison(
+            a[mask], b[mask], n_boot=opts.bootstrap_samples, seed=opts.stats_seed, confidence=opts.confidence
+        )
+
+    row_level = np.array([e.level for e in examples], dtype=object)
+    out: dict[str, Any] = {"all": cmp(np.ones(len(examples), dtype=bool))}
+    if is_train.any() and (~is_train).any():
+        out["train"], out["held_out"] = cmp(is_train), cmp(~is_train)
+    out["levels"] = {lvl: cmp(row_level == lvl) for lvl in levels}
+    return out
