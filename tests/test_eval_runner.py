@@ -830,10 +830,16 @@ def test_evaluate_task_teacher_forced_accuracy(looped, tok):
         dict(method="tah2", max_depth=2),  # whole-stack loop, no coda
     ],
 )
-def test_forced_depths_from_one_forward_equal_separate_passes(tok, loop):
+@pytest.mark.parametrize("split", [False, True])
+def test_forced_depths_from_one_forward_equal_separate_passes(tok, loop, split, monkeypatch):
     """forced_depths_argmax (one depth-D forward, every depth read out at the kept positions) gives, row by
-    row, what argmax_pass with depth=d gives for every d: row correctness, token correctness, step depths."""
+    row, what argmax_pass with depth=d gives for every d: row correctness, token correctness, step depths;
+    also when its memory budget splits every batch into one-row forwards (``split``)."""
     import retrofit
+    import retrofit.evaluation.teacher_forced as TF
+
+    if split:
+        monkeypatch.setattr(TF, "_DEPTH_LOGITS_BUDGET", 1)
     from retrofit.evaluation.decoding import stop_rule
     from retrofit.evaluation.teacher_forced import argmax_pass, forced_depths_argmax
     from retrofit.testing import tiny_base

@@ -263,16 +263,21 @@ def forced_depths_argmax(
     for chunk in progress_bar(
         list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
     ):
-        exs = [examples[i] for i in chunk]
-        ids, mask, starts = tf_batch(exs, pad, dev)
-        keep = _logits_kept(exs)
-        out = forward(model, info, ids, mask, logits_to_keep=keep, depth=D, output_depth_logits=True)
-        tops = out.depth_logits.argmax(-1)  # [D, B, keep]: positions T - keep .. T - 1
-        off = ids.shape[1] - keep
-        for d in range(1, D + 1):
-            depths = torch.full_like(out.depths, d)
-            for r, (i, e) in enumerate(zip(chunk, exs)):
-                res[d][i] = _argmax_row(tops[d - 1, r], off, depths[r], e, starts[r], is_stop, max_new_tokens)
+        keep = _logits_kept([examples[i] for i in chunk])
+        # the [D, b, keep, V] depth logits stay under the budget: split the batch if they would not
+        sub = max(1, int(_DEPTH_LOGITS_BUDGET // max(1, D * keep * model.config.vocab_size * 4)))
+        for j in range(0, len(chunk), sub):
+            part = chunk[j : j + sub]
+            exs = [examples[i] for i in part]
+            ids, mask, starts = tf_batch(exs, pad, dev)
+            k = _logits_kept(exs)
+            out = forward(model, info, ids, mask, logits_to_keep=k, depth=D, output_depth_logits=True)
+            tops = out.depth_logits.argmax(-1)  # [D, b, k]: positions T - k .. T - 1
+            off = ids.shape[1] - k
+            for d in range(1, D + 1):
+                depths = torch.full_like(out.depths, d)
+                for r, (i, e) in enumerate(zip(part, exs)):
+                    res[d][i] = _argmax_row(tops[d - 1, r], off, depths[r], e, starts[r], is_stop, max_new_tokens)
     return res
 
 
