@@ -10,6 +10,7 @@ attention modes, every method, forced depths, training-free exits and TAPS.
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -83,8 +84,9 @@ def random_requests(rng: random.Random, exits: list[dict], n: int = 7, cancel: i
                 "arrive": rng.randint(0, 12),
             }
         )
-    for i in rng.sample(range(n), cancel):
-        reqs[i]["cancel"] = reqs[i]["arrive"] + rng.randint(1, 6)
+    for i in rng.sample(range(n), cancel):  # long enough to still be in flight when it is cancelled
+        reqs[i]["max_tokens"] = 9
+        reqs[i]["cancel"] = reqs[i]["arrive"] + rng.randint(1, 4)
     return reqs
 
 
@@ -211,7 +213,8 @@ def test_greedy_tokens_equal_generate_alone(family, method, split, head_seed, at
     if attention == "same-depth":  # each method meets both families across the two modes
         family = {"llama": "qwen3", "qwen3": "llama"}[family]
     model = looped(family, method, split, attention, head_seed=head_seed)
-    rng = random.Random(hash((family, method, attention)) % 1000)
+    # a stable seed: str hashes change with PYTHONHASHSEED, so hash() would draw a different trace per process
+    rng = random.Random(zlib.crc32(f"{family}-{method}-{attention}".encode()))
     exits = list(EXITS.values())
     rng.shuffle(exits)
     reqs = random_requests(rng, exits, n=8, cancel=2)
