@@ -34,8 +34,8 @@ from .decoding import greedy_generate
 from .models import model_info
 from .options import DEFAULT_N, EvalOptions, resolve_options
 from .rows import levels_for, split_of, task_rows
-from .stats import paired_comparison, rows_needed
-from .task_eval import TaskArrays, evaluate_task, evaluate_task_arrays
+from .stats import rows_needed
+from .task_eval import TaskArrays, evaluate_task, evaluate_task_arrays, paired_by_split
 from .token_difficulty import depth_vs_token_difficulty
 
 __all__ = [
@@ -247,26 +247,12 @@ def _comparisons(primary: str, arrays: dict[str, TaskArrays], models: dict, task
     train = entry.get("train_levels", [])
     row_level = np.asarray(arrays[primary].levels, dtype=object)
     a = arrays[primary].correct
-
-    def cmp(b, mask):
-        return paired_comparison(
-            a[mask], b[mask], n_boot=opts.bootstrap_samples, seed=opts.stats_seed, confidence=opts.confidence
-        )
-
-    out = {}
-    for other, arr in arrays.items():
-        if other == primary:
-            continue
-        res: dict[str, Any] = {"a": primary, "b": other, "levels": {}}
-        for lvl in levels:
-            res["levels"][lvl] = cmp(arr.correct, row_level == lvl)
-        is_train = np.array([split_of(lv, train) == "train" for lv in arrays[primary].levels], dtype=bool)
-        if is_train.any() and (~is_train).any():
-            res["train"] = cmp(arr.correct, is_train)
-            res["held_out"] = cmp(arr.correct, ~is_train)
-        res["all"] = cmp(arr.correct, np.ones_like(is_train))
-        out[other] = res
-    return out
+    is_train = np.array([split_of(lv, train) == "train" for lv in arrays[primary].levels], dtype=bool)
+    return {
+        other: {"a": primary, "b": other, **paired_by_split(a, arr.correct, row_level, levels, is_train, opts)}
+        for other, arr in arrays.items()
+        if other != primary
+    }
 
 
 def _token_difficulty(entry: dict, looped: TaskArrays, ref: TaskArrays, ref_name: str) -> None:

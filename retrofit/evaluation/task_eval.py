@@ -372,7 +372,7 @@ def _evaluate_task(
             result["forced_depth_accuracy_by_level"] = forced_by_level
             # does depth at inference matter? the adaptive exits vs every forced depth, paired on the same rows
             result["adaptive_vs_forced"] = {
-                d: _paired_by_split(correct, c, examples, levels_sorted, is_train, opts)
+                d: paired_by_split(correct, c, [e.level for e in examples], levels_sorted, is_train, opts)
                 for d, c in forced_correct.items()
             }
             for lvl in levels_sorted:
@@ -491,17 +491,18 @@ def _structure_analysis(task, examples, tf, result, notes) -> None:
         notes.append(f"{n_unaligned} answer words share a token with the previous word and were dropped")
 
 
-def _paired_by_split(a, b, examples, levels, is_train, opts: EvalOptions) -> dict[str, Any]:
-    """``paired_comparison(a, b)`` over all rows, the training and held-out levels, and each level."""
+def paired_by_split(a, b, row_level, levels, is_train, opts: EvalOptions) -> dict[str, Any]:
+    """``paired_comparison(a, b)`` per level, over the training and held-out levels (when both exist) and over
+    all rows; ``row_level[i]`` is row ``i``'s level and ``is_train[i]`` whether it is a training level."""
+    row_level = np.asarray(row_level, dtype=object)
 
     def cmp(mask):
         return paired_comparison(
             a[mask], b[mask], n_boot=opts.bootstrap_samples, seed=opts.stats_seed, confidence=opts.confidence
         )
 
-    row_level = np.array([e.level for e in examples], dtype=object)
-    out: dict[str, Any] = {"all": cmp(np.ones(len(examples), dtype=bool))}
+    out: dict[str, Any] = {"levels": {lvl: cmp(row_level == lvl) for lvl in levels}}
     if is_train.any() and (~is_train).any():
         out["train"], out["held_out"] = cmp(is_train), cmp(~is_train)
-    out["levels"] = {lvl: cmp(row_level == lvl) for lvl in levels}
+    out["all"] = cmp(np.ones(len(row_level), dtype=bool))
     return out
