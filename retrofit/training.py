@@ -144,8 +144,17 @@ class RetrofitSFTConfig(SFTConfig):
             "lets the decider move off its deep initialization."
         },
     )
+    decider_lr_scale: float | None = field(
+        default=None,
+        metadata={
+            "help": "Learning rate of the decider (halting head) = learning_rate × this; None = heads_lr_scale "
+            "(the updater always uses heads_lr_scale)."
+        },
+    )
 
     def __post_init__(self):
+        if self.decider_lr_scale is not None and not (self.decider_lr_scale > 0):
+            raise ValueError(f"decider_lr_scale must be a positive number or None, got {self.decider_lr_scale!r}")
         if self.bf16 is None and not self.fp16 and (self.use_cpu or not torch.cuda.is_available()):
             self.bf16 = False  # TRL defaults to bf16=True, which CPUs run slowly and with other numerics
         if self.activation_checkpointing is None:  # TRL's default (on), under transformers 5's name
@@ -221,20 +230,30 @@ class RetrofitSFTTrainer(SFTTrainer):
 
     # -- data --------------------------------------------------------------------------------------
     def create_optimizer(self, model=None):
-        """The standard optimizer, with the heads (``updater.*``, ``halting.*``) in their own
-        parameter groups at ``learning_rate × heads_lr_scale``."""
+        """The standard optimizer, with the updater (``updater.*``) in its own parameter groups at
+        ``learning_rate × heads_lr_scale`` and the decider (``halting.*``) at ``learning_rate × decider_lr_scale``
+        (default: ``heads_lr_scale``)."""
         opt = super().create_optimizer(model)
         scale = getattr(self.args, "heads_lr_scale", 1.0)
-        if scale == 1.0 or getattr(self, "_heads_groups_split", False):
+        dscale = getattr(self.args, "decider_lr_scale", None)
+        scales = {"updater": scale, "halting": scale if dscale is None else dscale}
+        if all(v == 1.0 for v in scales.values()) or getattr(self, "_heads_groups_split", False):
             return opt
         named = (model if model is not None else self.model).named_parameters()
-        head_ids = {id(p) for n, p in named if ".updater." in f".{n}" or ".halting." in f".{n}"}
+        head_of = {}
+        for n, p in named:
+            for head in scales:
+                if f".{head}." in f".{n}":
+                    head_of[id(p)] = head
         extra = []
         for g in opt.param_groups:
-            heads = [p for p in g["params"] if id(p) in head_ids]
-            if heads:
-                g["params"] = [p for p in g["params"] if id(p) not in head_ids]
-                extra.append({**{k: v for k, v in g.items() if k != "params"}, "params": heads, "lr": g["lr"] * scale})
+            for head, sc in scales.items():
+                params = [p for p in g["params"] if head_of.get(id(p)) == head]
+                if params:
+                    extra.append(
+                        {**{k: v for k, v in g.items() if k != "params"}, "params": params, "lr": g["lr"] * sc}
+                    )
+            g["params"] = [p for p in g["params"] if id(p) not in head_of]
         for g in extra:
             opt.add_param_group(g)
         self._heads_groups_split = True

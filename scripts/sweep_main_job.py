@@ -51,6 +51,7 @@ class Cfg:
     batch: int = 8
     lr: float = 1e-4
     heads_lr_scale: float = 20.0
+    decider_lr_scale: float | None = None  # None = heads_lr_scale
     prelude: int = 20
     core: int | None = 6
     max_depth: int = 2
@@ -68,6 +69,7 @@ class Cfg:
     lora_on_prelude: bool = False  # True = adapters on the frozen prelude too (the sweep's first LoRA row)
     seed: int = 0
     max_length: int = 96
+    padding_free: bool = False  # the main job's preset trains padding-free (same loss, less compute)
     arms: tuple = ("looped", "sft")
 
 
@@ -116,6 +118,8 @@ def targs(c: Cfg, out: str) -> RetrofitSFTConfig:
         per_device_train_batch_size=c.batch,
         learning_rate=c.lr,
         heads_lr_scale=c.heads_lr_scale,
+        decider_lr_scale=c.decider_lr_scale,
+        padding_free=c.padding_free,
         lr_scheduler_type="cosine",
         warmup_steps=0.05,
         weight_decay=0.0,
@@ -300,10 +304,14 @@ def run(c: Cfg) -> dict:
                         "max_length",
                         "lora",
                         "lora_r",
+                        "lora_on_prelude",
+                        "padding_free",
                     )
                 },
                 sort_keys=True,
             )
+            if c.lora and c.lora_on_prelude:  # adapters on every layer, base frozen: the loop split does not matter
+                key = json.dumps({k: v for k, v in json.loads(key).items() if k != "prelude"}, sort_keys=True)
             if not c.freeze_prelude:
                 key += "-nofreeze"
         if key is not None and key in _CONTROL_CACHE:

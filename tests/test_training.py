@@ -488,6 +488,22 @@ def test_heads_get_their_own_learning_rate(tmp_path):
     assert sum(len(g["params"]) for g in opt.param_groups) == sum(1 for p in model.parameters() if p.requires_grad)
 
 
+def test_decider_gets_its_own_learning_rate(tmp_path):
+    trainer = make_trainer(tmp_path, "tah2", heads_lr_scale=10.0, decider_lr_scale=3.0)
+    opt = trainer.create_optimizer()
+    lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    lr = trainer.args.learning_rate
+    named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+    want = {
+        n: lr * 10.0 if n.startswith("updater.") else lr * 3.0 if n.startswith("halting.") else lr for n, _ in named
+    }
+    assert {n: lrs[id(p)] for n, p in named} == pytest.approx(want)
+    assert any(n.startswith("halting.") for n, _ in named) and any(n.startswith("updater.") for n, _ in named)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(named)
+    with pytest.raises(ValueError, match="decider_lr_scale must be a positive number"):
+        make_trainer(tmp_path, "tah2", decider_lr_scale=0.0)
+
+
 def test_run_folder_card_is_retrofits(tmp_path):
     """The README.md TRL writes next to checkpoints is retrofit's card, not "a fine-tuned version of [None]"."""
     from retrofit.model_card import split_front_matter
