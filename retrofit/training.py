@@ -230,30 +230,26 @@ class RetrofitSFTTrainer(SFTTrainer):
 
     # -- data --------------------------------------------------------------------------------------
     def create_optimizer(self, model=None):
-        """The standard optimizer, with the updater (``updater.*``) in its own parameter groups at
-        ``learning_rate × heads_lr_scale`` and the decider (``halting.*``) at ``learning_rate × decider_lr_scale``
-        (default: ``heads_lr_scale``)."""
+        """The standard optimizer, with the updater (``updater.*``) at ``learning_rate × heads_lr_scale`` and the
+        decider (``halting.*``) at ``learning_rate × decider_lr_scale`` (default: ``heads_lr_scale``), each scale
+        other than 1 in its own parameter groups (one per scale, so equal scales share a group)."""
         opt = super().create_optimizer(model)
         scale = getattr(self.args, "heads_lr_scale", 1.0)
         dscale = getattr(self.args, "decider_lr_scale", None)
         scales = {"updater": scale, "halting": scale if dscale is None else dscale}
         if all(v == 1.0 for v in scales.values()) or getattr(self, "_heads_groups_split", False):
             return opt
-        named = (model if model is not None else self.model).named_parameters()
-        head_of = {}
-        for n, p in named:
-            for head in scales:
-                if f".{head}." in f".{n}":
-                    head_of[id(p)] = head
+        scale_of = {}
+        for n, p in (model if model is not None else self.model).named_parameters():
+            for head, sc in scales.items():
+                if f".{head}." in f".{n}" and sc != 1.0:
+                    scale_of[id(p)] = sc
         extra = []
         for g in opt.param_groups:
-            for head, sc in scales.items():
-                params = [p for p in g["params"] if head_of.get(id(p)) == head]
-                if params:
-                    extra.append(
-                        {**{k: v for k, v in g.items() if k != "params"}, "params": params, "lr": g["lr"] * sc}
-                    )
-            g["params"] = [p for p in g["params"] if id(p) not in head_of]
+            for sc in dict.fromkeys(scale_of[id(p)] for p in g["params"] if id(p) in scale_of):
+                params = [p for p in g["params"] if scale_of.get(id(p)) == sc]
+                extra.append({**{k: v for k, v in g.items() if k != "params"}, "params": params, "lr": g["lr"] * sc})
+            g["params"] = [p for p in g["params"] if id(p) not in scale_of]
         for g in extra:
             opt.add_param_group(g)
         self._heads_groups_split = True

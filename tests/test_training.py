@@ -486,6 +486,10 @@ def test_heads_get_their_own_learning_rate(tmp_path):
     others = [lrs[id(p)] for n, p in model.named_parameters() if p.requires_grad and id(p) not in head_ids]
     assert others and all(lr == trainer.args.learning_rate for lr in others)
     assert sum(len(g["params"]) for g in opt.param_groups) == sum(1 for p in model.parameters() if p.requires_grad)
+    # one scale, one set of groups: the updater and the decider share them (the layout older checkpoints saved)
+    name = {id(p): n for n, p in model.named_parameters()}
+    kinds = [{name[id(p)].split(".")[0] for p in g["params"]} for g in opt.param_groups]
+    assert {"updater", "halting"} in kinds
 
 
 def test_decider_gets_its_own_learning_rate(tmp_path):
