@@ -274,6 +274,25 @@ def mcnemar_p(x: np.ndarray, y: np.ndarray) -> float:
 
 
 _CONTROL_CACHE: dict = {}
+# the Cfg fields that determine the SFT control: configurations that agree on them share one trained control
+_SFT_KEY_FIELDS = (
+    "task",
+    "train_levels",
+    "extrap_levels",
+    "n_train",
+    "n_valid",
+    "steps",
+    "batch",
+    "lr",
+    "seed",
+    "freeze_prelude",
+    "prelude",
+    "max_length",
+    "lora",
+    "lora_r",
+    "lora_on_prelude",
+    "padding_free",
+)
 
 
 def run(c: Cfg) -> dict:
@@ -284,36 +303,10 @@ def run(c: Cfg) -> dict:
     for arm in c.arms:
         key = None
         if arm == "sft":
-            key = json.dumps(
-                {
-                    k: v
-                    for k, v in asdict(c).items()
-                    if k
-                    in (
-                        "task",
-                        "train_levels",
-                        "extrap_levels",
-                        "n_train",
-                        "n_valid",
-                        "steps",
-                        "batch",
-                        "lr",
-                        "seed",
-                        "freeze_prelude",
-                        "prelude",
-                        "max_length",
-                        "lora",
-                        "lora_r",
-                        "lora_on_prelude",
-                        "padding_free",
-                    )
-                },
-                sort_keys=True,
-            )
+            fields = set(_SFT_KEY_FIELDS)
             if c.lora and c.lora_on_prelude:  # adapters on every layer, base frozen: the loop split does not matter
-                key = json.dumps({k: v for k, v in json.loads(key).items() if k != "prelude"}, sort_keys=True)
-            if not c.freeze_prelude:
-                key += "-nofreeze"
+                fields.discard("prelude")
+            key = json.dumps({k: v for k, v in asdict(c).items() if k in fields}, sort_keys=True)
         if key is not None and key in _CONTROL_CACHE:
             evals[arm], res["arms"][arm] = _CONTROL_CACHE[key]
             continue
