@@ -113,12 +113,13 @@ def check_against_generate(model, eng, reqs, handles):
 # ------------------------------------------------------------------------------------------------
 # the layer runner == the layer's own forward
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T", [7, 20])  # 20 rows: the projections run as ``W @ x.T`` (SMALL_GEMM_ROWS)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_layer_runner_matches_the_layers_forward(family):
+def test_layer_runner_matches_the_layers_forward(family, T):
     base = tiny_base(family, seed=3)
     model = convert(base, LoopConfig(max_depth=1, method="fixed"))
     layer = model.model.layers[2]
-    T, H = 7, model.config.hidden_size
+    H = model.config.hidden_size
     x = torch.randn(1, T, H, generator=torch.Generator().manual_seed(0))
     pos = torch.arange(T)[None]
     pe = model.model.rotary_emb(x, pos)
@@ -144,21 +145,35 @@ def test_layer_runner_matches_the_layers_forward(family):
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["decode", "mixed", "padded", "ragged"])
+SPREAD = [1] * 40  # one-row units with key counts from 1 to 64: attention calls bucketed by key count
+
+
+@pytest.mark.parametrize("layout", ["decode", "mixed", "padded", "ragged", "spread", "spread-mixed"])
 def test_attend_matches_per_row_softmax(layout):
-    """``LayerRunner.attend`` (its planned calls: one-row units batched, prompts padded or one by one, keys
-    trimmed) == a per-row softmax over exactly the keys each row may see, for any mix of unit sizes."""
+    """``LayerRunner.attend`` (its planned calls: one-row units batched or bucketed by key count, prompts
+    padded or one by one, keys trimmed) == a per-row softmax over exactly the keys each row may see, for any
+    mix of unit sizes."""
     g = torch.Generator().manual_seed(5)
     Hq, kvh, hd, n_slots = 4, 2, 8, 64
-    sizes = {"decode": [1, 1, 1], "mixed": [1, 3, 1, 4, 1], "padded": [3, 4], "ragged": [1, 9, 2, 2]}[layout]
+    sizes = {
+        "decode": [1, 1, 1],
+        "mixed": [1, 3, 1, 4, 1],
+        "padded": [3, 4],
+        "ragged": [1, 9, 2, 2],
+        "spread": SPREAD,
+        "spread-mixed": SPREAD + [3, 4],
+    }[layout]
     N, U = sum(sizes), len(sizes)
-    L = 12
+    L = 64 if layout.startswith("spread") else 12
     kp, vp = torch.randn(n_slots, kvh, hd, generator=g), torch.randn(n_slots, kvh, hd, generator=g)
     q = torch.randn(N, Hq, hd, generator=g)
     idx = torch.randint(0, n_slots, (U, L), generator=g)
     kpos = torch.randint(0, 10, (U, L), generator=g)
     valid = torch.rand(U, L, generator=g) < 0.6
     valid[:, L - 1] = False  # trailing masked columns (trimmed by the plan)
+    if layout.startswith("spread"):  # unit u sees keys up to a column of its own, 1 … L - 1
+        last = torch.randint(1, L, (U,), generator=g)
+        valid &= torch.arange(L)[None, :] < last[:, None]
     unit_rows, start = [], 0
     for n in sizes:
         unit_rows.append((start, n))
@@ -167,6 +182,9 @@ def test_attend_matches_per_row_softmax(layout):
     for u, (s, n) in enumerate(unit_rows):
         valid[u, 0], kpos[u, 0] = True, 0  # every row sees at least one key
     keys = KeyList(idx, valid, kpos, unit_rows, qpos, all(n == 1 for n in sizes))
+    one_row_calls = sum(1 for p in keys.plan() if p.rows is None and (p.q_rows is None or p.q_rows.dim() == 1))
+    if layout.startswith("spread"):
+        assert one_row_calls > 1, "spread key counts should be bucketed into several calls"
 
     class Attn:
         scaling = hd**-0.5
@@ -182,6 +200,27 @@ def test_attend_matches_per_row_softmax(layout):
             V = vp[idx[u][see]].repeat_interleave(Hq // kvh, 1)
             w = torch.softmax(torch.einsum("hd,lhd->hl", q[r], K) * Attn.scaling, -1)
             torch.testing.assert_close(out[r], torch.einsum("hl,lhd->hd", w, V), atol=1e-5, rtol=1e-5)
+
+
+def test_buckets_split_one_row_units_by_key_count():
+    """``_buckets`` partitions the units, at most ``MAX_ONE_ROW_CALLS`` groups, each split saving more than
+    ``CALL_COST_SLOTS`` padded slots: close lengths stay one call, far-apart clusters are split, and the
+    padded slots never exceed one call's."""
+    from retrofit.serving.layers import CALL_COST_SLOTS, MAX_ONE_ROW_CALLS, _buckets
+
+    def padded(groups, lengths):
+        return sum(len(g) * max(lengths[u] for u in g) for g in groups)
+
+    assert _buckets([10, 11, 12, 10]) == [[0, 3, 1, 2]]  # saving ≤ CALL_COST_SLOTS: one call
+    assert [sorted(g) for g in _buckets([5] * 20 + [60] * 20)] == [list(range(20)), list(range(20, 40))]
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, rng.choice([8, 64, 512])) for _ in range(rng.randint(1, 80))]
+        groups = _buckets(lengths)
+        assert sorted(u for g in groups for u in g) == list(range(len(lengths)))
+        assert 1 <= len(groups) <= MAX_ONE_ROW_CALLS
+        one = len(lengths) * max(lengths)
+        assert padded(groups, lengths) <= one - (len(groups) - 1) * CALL_COST_SLOTS
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,7 +278,8 @@ def test_core_runs_once_per_step_on_rows_of_every_depth():
     """Depth-wise batching: one core call per step, holding rows of different requests at different depths."""
     model = looped("llama", "anira-e", "middle", head_seed=1)
     calls = []
-    hook = model.core_layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
+    # the runner calls the layer's input norm once per layer call (q_proj itself may run as ``W @ x.T``)
+    hook = model.core_layers[0].input_layernorm.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
     eng = Engine(model, TOK, max_seqs=4, kv_budget_bytes=8 << 20)
     mixed_steps = 0
     try:
@@ -268,22 +308,70 @@ def test_lm_head_padding_keeps_each_rows_logits():
     model = looped("qwen3", "anira-e", "middle", head_seed=1)
     eng = Engine(model, TOK, max_seqs=2, kv_budget_bytes=1 << 20)
     seen = []
-    hook = model.lm_head.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+    lin = eng.runner.linear
+
+    def spy(mod, x):
+        if mod is model.lm_head:
+            seen.append(x.shape[0])
+        return lin(mod, x)
+
+    eng.runner.linear = spy
     g = torch.Generator().manual_seed(0)
-    try:
-        with torch.no_grad():
-            for n in range(1, 21):
-                y = torch.randn(n, model.config.hidden_size, generator=g)
-                seen.clear()
-                got = eng._logits(y)
-                padded = LM_HEAD_PAD_FROM <= n < LM_HEAD_PAD_ROWS
-                assert seen == [LM_HEAD_PAD_ROWS if padded else n]
-                assert got.shape == (n, model.config.vocab_size)
-                for i in range(n):
-                    want = model.lm_head(model.model.norm(y[i : i + 1]))[0]
-                    torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
-    finally:
-        hook.remove()
+    with torch.no_grad():
+        for n in list(range(1, 21)) + [63, 64, 70]:
+            y = torch.randn(n, model.config.hidden_size, generator=g)
+            seen.clear()
+            got = eng._logits(y)
+            padded = LM_HEAD_PAD_FROM <= n < LM_HEAD_PAD_ROWS
+            assert seen == [LM_HEAD_PAD_ROWS if padded else n]
+            assert got.shape == (n, model.config.vocab_size)
+            for i in range(n):
+                want = model.lm_head(model.model.norm(y[i : i + 1]))[0]
+                torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
+
+
+def test_small_gemm_linear_equals_the_module():
+    """``linear`` (``W @ x.T`` for 16–63 rows on CPU) == the module's own call at every row count across both
+    edges, with and without bias; modules that are not a plain ``nn.Linear`` are called as they are."""
+    from torch import nn
+
+    from retrofit.serving.layers import SMALL_GEMM_ROWS, linear
+
+    lo, hi = SMALL_GEMM_ROWS
+    g = torch.Generator().manual_seed(0)
+    for bias in (False, True):
+        mod = nn.Linear(24, 40, bias=bias)
+        for n in (1, lo - 1, lo, 33, hi - 1, hi, hi + 7):
+            x = torch.randn(n, 24, generator=g)
+            torch.testing.assert_close(linear(mod, x), mod(x), atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(linear(mod, x, small_gemm=False), mod(x), atol=0, rtol=0)
+
+    class Scaled(nn.Linear):  # a subclass with its own forward (an adapter, say) must run that forward
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    mod = Scaled(24, 40)
+    x = torch.randn(lo + 4, 24, generator=g)
+    torch.testing.assert_close(linear(mod, x), mod(x))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_runner_mlp_equals_the_layers_mlp(family):
+    """``LayerRunner.mlp`` (the gated MLP's projections through ``linear``) == the MLP's own forward, at row
+    counts inside and outside ``SMALL_GEMM_ROWS``; an MLP of another kind is called as it is."""
+    from torch import nn
+
+    model = convert(tiny_base(family, seed=2), LoopConfig(max_depth=1, method="fixed"))
+    runner = LayerRunner(layer_ops_for(model))
+    mlp = model.model.layers[1].mlp
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n in (3, 20, 70):
+            x = torch.randn(n, model.config.hidden_size, generator=g)
+            torch.testing.assert_close(runner.mlp(mlp, x), mlp(x), atol=1e-5, rtol=1e-5)
+        other = nn.Sequential(nn.Linear(model.config.hidden_size, 5))
+        x = torch.randn(20, model.config.hidden_size, generator=g)
+        torch.testing.assert_close(runner.mlp(other, x), other(x))
 
 
 def test_admission_waits_for_the_kv_budget():

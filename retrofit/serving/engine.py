@@ -62,6 +62,8 @@ class Engine(StepExecution):
             (a prompt of the longest length always fits).
         default_exit: the exit arguments a request gets when it names none (``generate``'s keywords).
         eos_token_id: end-of-sequence id(s) (default: the model's generation config).
+        small_gemm: on CPU, compute linears of 16-63 rows as ``W @ x.T``, MKL's faster layout there
+            (``retrofit.serving.layers.SMALL_GEMM_ROWS``); False runs every module as it is.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Engine(StepExecution):
         max_rows: int | None = None,
         default_exit: dict | None = None,
         eos_token_id=None,
+        small_gemm: bool = True,
     ):
         from ..modeling import LoopedForCausalLM
 
@@ -89,7 +92,7 @@ class Engine(StepExecution):
         self.max_seqs = max_seqs
         self.max_len = int(max_model_len or min(getattr(cfg, "max_position_embeddings", 2048) or 2048, 2048))
         self.max_rows = int(max_rows or (16 * max_seqs + self.max_len))
-        self.runner = LayerRunner(layer_ops_for(model))
+        self.runner = LayerRunner(layer_ops_for(model), small_gemm=small_gemm)
         self.adapter = MethodAdapter(model, self.max_rows, max_seqs)
         self.kv = PagedKV(model, kv_budget_bytes, max_seqs, self.max_len, block_size, core_block_size=core_block_size)
         self.default_exit = dict(default_exit or {})

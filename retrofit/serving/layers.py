@@ -12,6 +12,10 @@ Everything that differs between families lives in ``LAYER_OPS`` (one entry per f
 habit 6): Qwen3 normalizes each head's query and key (``q_norm``/``k_norm``) before the rotary
 embedding, Llama does not. ``tests/test_serving_engine.py`` checks ``LayerRunner`` against the
 layer's own ``forward`` for both families, and ``attend`` against a per-row softmax for every unit layout.
+
+The projections run through ``linear`` (``LayerRunner.linear``), which on CPU computes a linear of
+16 to 63 rows as ``W @ x.T`` instead of ``F.linear`` (see ``SMALL_GEMM_ROWS``): the same weight, the
+same product, a different GEMM layout that is two to three times faster on 2 threads of MKL there.
 """
 
 from __future__ import annotations
@@ -21,8 +25,55 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as qwen3_rope
+
+#: CPU float32: a linear of ``lo <= rows < hi`` rows is computed as ``(W @ x.T).T`` instead of
+#: ``F.linear(x, W)`` (``x @ W.T``). MKL (torch 2.13, 2 threads, AVX-512) takes a slow path for the
+#: latter at these row counts: time of ``W @ x.T`` over ``F.linear``, median of 3 × 30 calls, weights
+#: out × in (SmolLM2-135M's, the serving benchmark's LM head, Qwen3-1.7B's):
+#:
+#: ============  =====  =====  =====  =====  =====  =====  =====  =====
+#: rows              8     12     16     24     32     48     64     96
+#: ============  =====  =====  =====  =====  =====  =====  =====  =====
+#: 576 × 576      0.40   0.38   0.37   0.44   0.41   0.45   1.29   1.04
+#: 1536 × 576     1.21   0.91   0.34   0.42   0.38   0.46   1.17   1.01
+#: 576 × 1536     1.33   1.00   0.34   0.42   0.40   0.42   1.24   1.19
+#: 32000 × 512    0.66   0.50   0.47   0.51   0.51   0.48   1.01   0.95
+#: 6144 × 2048    0.81   0.58   0.82   0.99   0.85   0.82   1.13   0.97
+#: ============  =====  =====  =====  =====  =====  =====  =====  =====
+#:
+#: From 16 to 48 rows every shape gains and the results are bitwise equal; below 16 the gain depends
+#: on the shape, from 64 on there is none. A decoding batch of 16-63 rows per step is the common case
+#: of the engine (``benchmarks/serve.py`` at batch 32), so this is where it pays.
+SMALL_GEMM_ROWS = (16, 64)
+
+
+def linear(mod: nn.Module, x: torch.Tensor, small_gemm: bool = True) -> torch.Tensor:
+    """``mod(x)`` for a linear module ``mod`` and rows ``x`` ``[N, in]``; for a plain float32
+    ``nn.Linear`` on CPU with ``N`` in ``SMALL_GEMM_ROWS``, computed as ``(W @ x.T).T (+ b)``.
+
+    Anything else (adapters, quantized or other subclasses, other dtypes and devices) calls the module."""
+    lo, hi = SMALL_GEMM_ROWS
+    if (
+        small_gemm
+        and type(mod) is nn.Linear
+        and x.dim() == 2
+        and lo <= x.shape[0] < hi
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and mod.weight.dtype == torch.float32
+    ):
+        y = torch.mm(mod.weight, x.t()).t()
+        return y if mod.bias is None else y + mod.bias
+    return mod(x)
+
+
+# MLP classes whose forward is exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
+_GATED_MLP_FORWARDS = (LlamaMLP.forward, Qwen3MLP.forward)
 
 
 @dataclass(frozen=True)
@@ -110,23 +161,71 @@ def _trim(valid: torch.Tensor) -> int:
     return int(cols.max()) + 1 if cols.numel() else 1
 
 
-def _build_plan(keys: KeyList) -> list[_Part]:
-    """Split the units into attention calls: all one-row units in one call; multi-row units (prompts) padded
-    to the longest in one call when that wastes at most half the queries, else one call each."""
+#: Attention calls of one-row units are split by key count (``_buckets``) when the padded key slots saved
+#: exceed this many per extra call (one call's fixed cost — two gathers, an SDPA launch, a scatter —
+#: measured on CPU at about the work of 40-50 key slots of 8 heads × 64), at most ``MAX_ONE_ROW_CALLS``.
+CALL_COST_SLOTS, MAX_ONE_ROW_CALLS = 48, 4
+
+
+def _buckets(lengths: list[int]) -> list[list[int]]:
+    """Split units with ``lengths[u]`` keys each into at most ``MAX_ONE_ROW_CALLS`` groups, each padded to
+    its longest: greedy, each split the one that saves the most padded slots, while it saves more than
+    ``CALL_COST_SLOTS``. Returns the groups' units, in ascending length."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    segs = [(0, len(order))]  # [start, end) in ``order``
+    while len(segs) < MAX_ONE_ROW_CALLS:
+        best = None  # (saving, segment index, split)
+        for si, (a, b) in enumerate(segs):
+            whole = (b - a) * lengths[order[b - 1]]
+            for k in range(a + 1, b):
+                if lengths[order[k - 1]] == lengths[order[k]]:
+                    continue  # split only between different lengths
+                saving = whole - (k - a) * lengths[order[k - 1]] - (b - k) * lengths[order[b - 1]]
+                if best is None or saving > best[0]:
+                    best = (saving, si, k)
+        if best is None or best[0] <= CALL_COST_SLOTS:
+            break
+        _, si, k = best
+        a, b = segs[si]
+        segs[si : si + 1] = [(a, k), (k, b)]
+    return [order[a:b] for a, b in segs]
+
+
+def _one_row_parts(keys: KeyList, units: list[int] | None) -> list[_Part]:
+    """The calls of one-row units (all of them when ``units`` is None: the ``single`` layout), bucketed by
+    their number of keys (``_buckets``): one call when the lengths are close."""
     idx, valid, dev = keys.idx, keys.valid, keys.idx.device
-    U = idx.shape[0]
+    v = valid if units is None else valid[torch.tensor(units, device=dev)]
+    cols = torch.arange(1, v.shape[1] + 1, device=dev)
+    lengths = (v * cols).amax(1).clamp_min(1).tolist()  # per unit: columns up to its last visible key
+    groups = _buckets(lengths) if len(lengths) > 1 else [list(range(len(lengths)))]
+    if len(groups) == 1 and units is None:  # every row, one call, no gather of queries
+        Lp = max(lengths)
+        return [_Part(idx[:, :Lp].reshape(-1), idx.shape[0], Lp, valid[:, None, None, :Lp])]
+    parts = []
+    for grp in groups:
+        Lp = lengths[grp[-1]]
+        ui = [u if units is None else units[u] for u in grp]
+        ut = torch.tensor(ui, device=dev)
+        ri = torch.tensor([keys.unit_rows[u][0] for u in ui], device=dev)
+        parts.append(
+            _Part(idx[ut, :Lp].reshape(-1), len(ui), Lp, valid[ut][:, None, None, :Lp], q_rows=ri, out_rows=ri)
+        )
+    return parts
+
+
+def _build_plan(keys: KeyList) -> list[_Part]:
+    """Split the units into attention calls: the one-row units in one call, or a few by number of keys
+    (``_one_row_parts``); multi-row units (prompts) padded to the longest in one call when that wastes at
+    most half the queries, else one call each."""
+    idx, valid, dev = keys.idx, keys.valid, keys.idx.device
     N = keys.qpos.shape[0]
     if keys.single:
-        Lp = _trim(valid)
-        return [_Part(idx[:, :Lp].reshape(-1), U, Lp, valid[:, None, None, :Lp])]
+        return _one_row_parts(keys, None)
     parts = []
     ones = [u for u, (_, n) in enumerate(keys.unit_rows) if n == 1]
-    if ones:  # the one-row units (decoding tokens): one batched call
-        ui = torch.tensor(ones, device=dev)
-        v1 = valid[ui]
-        Lp = _trim(v1)
-        ri = torch.tensor([keys.unit_rows[u][0] for u in ones], device=dev)
-        parts.append(_Part(idx[ui, :Lp].reshape(-1), len(ones), Lp, v1[:, None, None, :Lp], q_rows=ri, out_rows=ri))
+    if ones:  # the one-row units (decoding tokens)
+        parts.extend(_one_row_parts(keys, ones))
     multi = [u for u, (_, n) in enumerate(keys.unit_rows) if n > 1]
     if not multi:
         return parts
@@ -162,10 +261,25 @@ class LayerRunner:
 
     Args:
         ops: the family's ``LayerOps``.
+        small_gemm: compute linears of ``SMALL_GEMM_ROWS`` rows as ``W @ x.T`` on CPU (``linear``);
+            False calls every module as it is.
     """
 
-    def __init__(self, ops: LayerOps):
+    def __init__(self, ops: LayerOps, small_gemm: bool = True):
         self.ops = ops
+        self.small_gemm = small_gemm
+
+    def linear(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``mod(x)``, through ``linear`` (see ``SMALL_GEMM_ROWS``)."""
+        return linear(mod, x, self.small_gemm)
+
+    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP on rows ``x``. Llama's and Qwen3's gated MLP (``down(act(gate(x)) * up(x))``,
+        their ``forward`` unchanged) has its projections run through ``linear``; any other is called."""
+        if type(mlp).forward not in _GATED_MLP_FORWARDS:
+            return mlp(x)
+        lin = self.linear
+        return lin(mlp.down_proj, mlp.act_fn(lin(mlp.gate_proj, x)) * lin(mlp.up_proj, x))
 
     def qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``x`` ``[N, H]`` (the layer's input, before ``input_layernorm``), ``cos``/``sin`` ``[N, hd]``
@@ -174,9 +288,9 @@ class LayerRunner:
         hd = a.head_dim
         hn = layer.input_layernorm(x)
         N = hn.shape[0]
-        q = a.q_proj(hn).view(N, -1, hd)
-        k = a.k_proj(hn).view(N, -1, hd)
-        v = a.v_proj(hn).view(N, -1, hd)
+        q = self.linear(a.q_proj, hn).reshape(N, -1, hd)
+        k = self.linear(a.k_proj, hn).reshape(N, -1, hd)
+        v = self.linear(a.v_proj, hn).reshape(N, -1, hd)
         if self.ops.qk_norm:
             q, k = a.q_norm(q), a.k_norm(k)
         # [N, heads, hd] is the [b, h, s, d] layout with s folded into b: cos/sin [N, hd] unsqueeze at 1
@@ -222,8 +336,8 @@ class LayerRunner:
 
     def finish(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP: ``x`` ``[N, H]``, ``attn`` ``[N, Hq * hd]`` -> ``[N, H]``."""
-        h = x + layer.self_attn.o_proj(attn)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = x + self.linear(layer.self_attn.o_proj, attn)
+        return h + self.mlp(layer.mlp, layer.post_attention_layernorm(h))
 
     def run(self, layer, x, cos, sin, k_pool, v_pool, write_slots: torch.Tensor, keys: KeyList) -> torch.Tensor:
         """One layer over rows ``x`` ``[N, H]``: write their K/V at ``write_slots`` ``[N]`` of the layer's

@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from ..backends import head
 from .methods import ExitSpec
 from .requests import TokenGroup
 from .sampling import sample
@@ -32,17 +31,19 @@ class StepExecution:
     def _logits(self, y: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head of exit states ``y`` ``[n, H]`` -> ``[n, V]``.
 
-        On CPU, 7 to 15 rows are padded with zero rows to ``LM_HEAD_PAD_ROWS`` (16): for the head's wide
-        output MKL's fp32 GEMM takes another, much slower path below 16 rows (one thread, 32000 × 512 head
-        read from memory, median ms: 1 row 6.6, 4 rows 13.9, 7 rows 20.9, 10 rows 27.6, 15 rows 34.3, 16
-        rows 14.2; padded to 16: 13–16 whatever the rows), so padding pays from 7 rows on. It matters because
-        a mixed-depth step reads out the ~B / d̄ rows that exit at *every* step, where a fixed-depth batch
-        reads out all B rows every D-th step. A row's logits do not depend on the padding rows."""
+        On CPU, 7 to 15 rows are padded with zero rows to ``LM_HEAD_PAD_ROWS`` (16), where the head runs
+        as ``W @ y.T`` (``retrofit.serving.layers.linear``): for the head's wide output, MKL's fp32 GEMM
+        is slow below 16 rows in the ``F.linear`` layout (one thread, 32000 × 512 head, median ms: 1 row
+        6.6, 4 rows 13.9, 7 rows 20.9, 10 rows 27.6, 15 rows 34.3, 16 rows 14.2; 2 threads, 16 rows as
+        ``W @ y.T``: 6.6). It matters because a mixed-depth step reads out the ~B / d̄ rows that exit at
+        *every* step, where a fixed-depth batch reads out all B rows every D-th step. A row's logits do
+        not depend on the padding rows."""
         n = y.shape[0]
         if y.device.type == "cpu" and LM_HEAD_PAD_FROM <= n < LM_HEAD_PAD_ROWS:
             # a zero row stays zero through the RMS norm, and rows do not mix
-            return head(self.model, torch.cat([y, y.new_zeros(LM_HEAD_PAD_ROWS - n, y.shape[1])]))[:n]
-        return head(self.model, y)
+            y = torch.cat([y, y.new_zeros(LM_HEAD_PAD_ROWS - n, y.shape[1])])
+            return self.runner.linear(self.model.lm_head, self.model.model.norm(y))[:n]
+        return self.runner.linear(self.model.lm_head, self.model.model.norm(y))
 
     def _units(self, groups_rows: list[list[int]]):
         """Per unit ``(start, count)`` in the concatenated row order; single = every unit has one row."""
