@@ -25,10 +25,14 @@ configurations timed round-robin (``--repeats`` rounds, the minimum per configur
    depths — served by the engine vs ``generate()`` in static batches of the same size (a batch starts
    when it is full or the trace has ended and the previous batch is done; it runs to its longest answer):
    useful tokens per second, ratio engine / static.
+   ``throughput_ratio_plain_gemm``: the same with the engine's ``small_gemm=False`` (every linear through
+   ``F.linear``, as ``generate()`` runs them): what scheduling alone gives.
 4. ``fixed_vs_unrolled``: the engine at depth D vs the plain unrolled model — the base with its core layers
    repeated D times (the same weight tensors), HF ``generate`` with its own KV cache — same batch, prompts
    and lengths. The same layer calls, not the same function: the looped model also runs its updater
-   between depths (a few % of a layer's FLOPs), so the tokens differ.
+   between depths (a few % of a layer's FLOPs), so the tokens differ. ``time_ratio_plain_gemm``: the
+   engine with ``small_gemm=False`` (``retrofit.serving.layers.SMALL_GEMM_ROWS``), the same GEMM calls
+   as HF's.
 
 Clocks: ``--clock cpu`` (default) is the process's CPU time (all threads): robust to other processes on
 a shared machine; ``--clock wall`` for an idle machine. Arrivals of the trace are on the same clock.
@@ -169,7 +173,7 @@ def main(argv=None) -> dict:
     def prompts(n, length):
         return [[rng.randrange(10, V) for _ in range(length)] for _ in range(n)]
 
-    def engine_run(model, reqs, batch, depth=None, core_block_size=None, on_finish=None, window=None):
+    def engine_run(model, reqs, batch, depth=None, core_block_size=None, on_finish=None, window=None, small_gemm=True):
         """Serve ``reqs`` [(prompt, max_tokens)], all arriving at once; returns (time, per-position depths, engine).
 
         ``window``: a dict that receives the *steady state*: the time of the steps that began with requests
@@ -183,6 +187,7 @@ def main(argv=None) -> dict:
             block_size=args.block_size,
             core_block_size=core_block_size or args.core_block_size,
             max_model_len=max(len(pr) + n for pr, n in reqs) + 1,
+            small_gemm=small_gemm,
         )
         if on_finish is not None:
             fin = eng._finish_seq
@@ -237,6 +242,7 @@ def main(argv=None) -> dict:
             "clock": args.clock,
             "repeats": args.repeats,
             "load_avg_1m": os.getloadavg()[0],
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "torch": torch.__version__,
             "note": "figures are ratios of runs interleaved in one process; load_avg_1m says how busy the machine was",
         },
@@ -359,7 +365,7 @@ def main(argv=None) -> dict:
             )
         useful = sum(n for _, _, n in trace)
 
-        def run_engine():
+        def run_engine(small_gemm=True):
             eng = Engine(
                 mixed,
                 None,
@@ -368,6 +374,7 @@ def main(argv=None) -> dict:
                 block_size=args.block_size,
                 core_block_size=args.core_block_size,
                 max_model_len=p_hi + a_hi + 1,
+                small_gemm=small_gemm,
             )
             i = 0
             with torch.no_grad():
@@ -412,10 +419,11 @@ def main(argv=None) -> dict:
                     done = start + (clock() - c0)
             return done
 
-        te, ts = [], []
+        te, ts, tp = [], [], []
         for _ in range(args.repeats):
             te.append(run_engine())
             ts.append(run_static())
+            tp.append(run_engine(small_gemm=False))
         result["trace"] = {
             "requests": R,
             "batch": B,
@@ -429,6 +437,8 @@ def main(argv=None) -> dict:
             "engine_tokens_per_s": useful / min(te),
             "static_tokens_per_s": useful / min(ts),
             "throughput_ratio": min(ts) / min(te),
+            "engine_plain_gemm_makespan_s": min(tp),
+            "throughput_ratio_plain_gemm": min(ts) / min(tp),
         }
 
     # 4. fixed depth D vs the unrolled base model ------------------------------------------------------
@@ -438,15 +448,17 @@ def main(argv=None) -> dict:
         plist = prompts(B, args.prompt)
         unr = unrolled(base, fixed, D)
         ids = torch.tensor(plist)
-        times = {"engine": [], "unrolled": []}
+        times = {"engine": [], "unrolled": [], "plain": []}
         for r in range(args.repeats + 1):
             t, _, _ = engine_run(fixed, [(pr, N) for pr in plist], B, D)
             times["engine"].append(t)
+            t, _, _ = engine_run(fixed, [(pr, N) for pr in plist], B, D, small_gemm=False)
+            times["plain"].append(t)
             with torch.no_grad():
                 c0 = clock()
                 unr.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
                 times["unrolled"].append(clock() - c0)
-        te, tu = min(times["engine"][1:]), min(times["unrolled"][1:])
+        te, tu, tp = min(times["engine"][1:]), min(times["unrolled"][1:]), min(times["plain"][1:])
         result["fixed_vs_unrolled"] = {
             "batch": B,
             "prompt": args.prompt,
@@ -455,6 +467,8 @@ def main(argv=None) -> dict:
             "time_engine_s": te,
             "time_unrolled_generate_s": tu,
             "time_ratio": te / tu,
+            "time_engine_plain_gemm_s": tp,
+            "time_ratio_plain_gemm": tp / tu,
             "note": "same weights and layer calls; not the same function (the looped "
             "model's updater re-injects the prelude output at every depth)",
         }
