@@ -16,6 +16,11 @@ configurations timed round-robin (``--repeats`` rounds, the minimum per configur
    that began with requests still waiting, so every free slot was refilled at once — no start-up, no
    drain of the last requests (which finish at different steps in the mixed run and in lockstep at
    depth D) — time per FLOP of the positions those steps completed, mixed ÷ depth D.
+   With equal answer lengths the depth-D run moves in lockstep: each wave of ``batch`` requests ends at
+   one step and the next wave's prompts enter together, one call of ``batch × prompt`` rows, while the
+   mixed run's requests end at different steps and their successors' prompts trickle into decode steps.
+   ``--answer-spread K`` draws answer lengths from ``new-tokens ± K`` (the same for both runs), so that
+   neither run is in lockstep.
 2. ``kv_bytes``: per request, the core KV bytes allocated (whole blocks) vs executed (token, depth)
    pairs, mixed and depth D (``alloc_over_executed_*``), and the mixed ÷ D ratios of both: allocated ∝
    executed when ``alloc_ratio_over_executed_ratio`` ≈ 1. A count, not a timing (deterministic on any
@@ -35,7 +40,9 @@ configurations timed round-robin (``--repeats`` rounds, the minimum per configur
    as HF's.
 
 Clocks: ``--clock cpu`` (default) is the process's CPU time (all threads): robust to other processes on
-a shared machine; ``--clock wall`` for an idle machine. Arrivals of the trace are on the same clock.
+a shared machine; it sets ``OMP_WAIT_POLICY=PASSIVE`` (unless set) so that spinning threads do not count.
+``--clock wall`` for an idle machine, with OpenMP's default policy (what ``retrofit serve`` runs with).
+Arrivals of the trace are on the same clock.
 """
 
 from __future__ import annotations
@@ -49,7 +56,6 @@ import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def build(args):
@@ -133,6 +139,13 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=int, default=16, help="answer tokens (mixed-depth and unrolled figures)")
     p.add_argument("--large-new-tokens", type=int, default=6, help="answer tokens at batch >= 128")
     p.add_argument(
+        "--answer-spread",
+        type=int,
+        default=0,
+        help="mixed-depth figure: answer lengths drawn uniformly from new-tokens ± this (the same for both "
+        "models), so the depth-D run is not in lockstep either (0: every answer new-tokens long)",
+    )
+    p.add_argument(
         "--waves", type=int, default=2, help="requests = waves × batch for batch < 128 (keeps the batch full)"
     )
     p.add_argument("--trace-requests", type=int, default=96)
@@ -156,6 +169,11 @@ def main(argv=None) -> dict:
         args.layers, args.hidden, args.intermediate, args.vocab = 8, 256, 688, 8000
         args.batches, args.trace_requests, args.repeats, args.new_tokens = "8,32", 32, 1, 8
     skip = set(filter(None, args.skip.split(",")))
+    if args.clock == "cpu":
+        # idle OpenMP threads sleep instead of spinning, so the CPU-time clock counts work only (set before
+        # torch loads OpenMP). Not for the wall clock: sleeping threads wake per parallel region, which costs
+        # the engine's many small ops 1.6-2x in wall time (docs/serving.md)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     import torch
 
@@ -255,7 +273,11 @@ def main(argv=None) -> dict:
         for B in [int(b) for b in args.batches.split(",")]:
             n_new = args.large_new_tokens if B >= 128 else args.new_tokens
             n_req = args.waves * B if B < 128 else B
-            reqs = list(zip(prompts(n_req, args.prompt), [n_new] * n_req))
+            lens = [n_new] * n_req
+            if args.answer_spread and B < 128:
+                lrng = random.Random(B)
+                lens = [max(1, n_new + lrng.randint(-args.answer_spread, args.answer_spread)) for _ in range(n_req)]
+            reqs = list(zip(prompts(n_req, args.prompt), lens))
             times = {"mixed": [], "D": []}
             dep = {}
             steady = {"mixed": [], "D": []}  # seconds per FLOP in the steady-state window, per round
@@ -289,6 +311,7 @@ def main(argv=None) -> dict:
                     "requests": n_req,
                     "prompt": args.prompt,
                     "new_tokens": n_new,
+                    "answer_spread": args.answer_spread if B < 128 else 0,
                     "mean_depth": cm["mean_depth"],
                     "time_mixed_s": tm,
                     "time_D_s": tD,

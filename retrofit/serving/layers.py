@@ -162,9 +162,11 @@ def _trim(valid: torch.Tensor) -> int:
 
 
 #: Attention calls of one-row units are split by key count (``_buckets``) when the padded key slots saved
-#: exceed this many per extra call (one call's fixed cost — two gathers, an SDPA launch, a scatter —
-#: measured on CPU at about the work of 40-50 key slots of 8 heads × 64), at most ``MAX_ONE_ROW_CALLS``.
-CALL_COST_SLOTS, MAX_ONE_ROW_CALLS = 48, 4
+#: exceed this many per extra call: on CPU one call's fixed cost (two gathers, an SDPA launch, a scatter;
+#: ~120 µs on 2 threads, more with ``OMP_WAIT_POLICY=PASSIVE``) is the work of ~200-250 key slots of
+#: 8 heads × 64 while the gathered keys stay in cache (0.5-0.6 µs a slot). So short decodes (batch 8-32,
+#: keys 9-24 apart) keep one call, and long, spread contexts are split. At most ``MAX_ONE_ROW_CALLS``.
+CALL_COST_SLOTS, MAX_ONE_ROW_CALLS = 256, 4
 
 
 def _buckets(lengths: list[int]) -> list[list[int]]:
