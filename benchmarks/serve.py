@@ -471,12 +471,11 @@ def main(argv=None) -> dict:
         plist = prompts(B, args.prompt)
         unr = unrolled(base, fixed, D)
         ids = torch.tensor(plist)
+        reqs = [(pr, N) for pr in plist]
         times = {"engine": [], "unrolled": [], "plain": []}
         for r in range(args.repeats + 1):
-            t, _, _ = engine_run(fixed, [(pr, N) for pr in plist], B, D)
-            times["engine"].append(t)
-            t, _, _ = engine_run(fixed, [(pr, N) for pr in plist], B, D, small_gemm=False)
-            times["plain"].append(t)
+            times["engine"].append(engine_run(fixed, reqs, B, D)[0])
+            times["plain"].append(engine_run(fixed, reqs, B, D, small_gemm=False)[0])
             with torch.no_grad():
                 c0 = clock()
                 unr.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)

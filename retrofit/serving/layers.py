@@ -174,6 +174,8 @@ def _buckets(lengths: list[int]) -> list[list[int]]:
     its longest: greedy, each split the one that saves the most padded slots, while it saves more than
     ``CALL_COST_SLOTS``. Returns the groups' units, in ascending length."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    if len(lengths) * lengths[order[-1]] - sum(lengths) <= CALL_COST_SLOTS:
+        return [order]  # no split can save more than all the padding: one call (the common decode step)
     segs = [(0, len(order))]  # [start, end) in ``order``
     while len(segs) < MAX_ONE_ROW_CALLS:
         best = None  # (saving, segment index, split)
@@ -200,7 +202,7 @@ def _one_row_parts(keys: KeyList, units: list[int] | None) -> list[_Part]:
     v = valid if units is None else valid[torch.tensor(units, device=dev)]
     cols = torch.arange(1, v.shape[1] + 1, device=dev)
     lengths = (v * cols).amax(1).clamp_min(1).tolist()  # per unit: columns up to its last visible key
-    groups = _buckets(lengths) if len(lengths) > 1 else [list(range(len(lengths)))]
+    groups = _buckets(lengths)
     if len(groups) == 1 and units is None:  # every row, one call, no gather of queries
         Lp = max(lengths)
         return [_Part(idx[:, :Lp].reshape(-1), idx.shape[0], Lp, valid[:, None, None, :Lp])]

@@ -42,8 +42,7 @@ class StepExecution:
         if y.device.type == "cpu" and LM_HEAD_PAD_FROM <= n < LM_HEAD_PAD_ROWS:
             # a zero row stays zero through the RMS norm, and rows do not mix
             y = torch.cat([y, y.new_zeros(LM_HEAD_PAD_ROWS - n, y.shape[1])])
-            return self.runner.linear(self.model.lm_head, self.model.model.norm(y))[:n]
-        return self.runner.linear(self.model.lm_head, self.model.model.norm(y))
+        return self.runner.linear(self.model.lm_head, self.model.model.norm(y))[:n]
 
     def _units(self, groups_rows: list[list[int]]):
         """Per unit ``(start, count)`` in the concatenated row order; single = every unit has one row."""
