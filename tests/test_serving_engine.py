@@ -530,7 +530,7 @@ def test_core_kv_layout_matches_a_brute_force_log(attention, core_bs):
 
 
 def test_sampling_is_reproducible_per_seed_whatever_the_batch():
-    model = looped("llama", "tah2", "whole", head_seed=3)
+    model = looped("llama", "tah2", "whole", head_seed=4)
     p = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=8, seed=123)
 
     def alone():
