@@ -140,6 +140,10 @@ def summarize(results: dict, task: str, train_levels: list[int], models: list[st
     out["gain_by_decile"] = lf.get("gain_by_decile")
     out["break_even_mean_depth"] = lf.get("break_even_mean_depth")
     out["fixed_control"] = fr.get("fixed_control")
+    # what the frontier cost in this run (teacher-forced passes over the frontier rows, seconds), per model
+    out["frontier_cost"] = {
+        m: {k: tasks[m]["frontier"].get(k) for k in ("passes", "wall_s")} for m in models if tasks[m].get("frontier")
+    }
     return out
 
 

@@ -405,6 +405,39 @@ def test_frontier_options_validation_and_cli_flags():
     assert not d.frontier and d.frontier_thresholds == (0.1, 0.3, 0.5, 0.7, 0.9) and d.frontier_draws == 3
 
 
+def test_cli_frontier_end_to_end(tok, tmp_path, capsys):
+    """``retrofit eval --frontier`` writes the frontier into results.json, report.md and accuracy_vs_flops.png."""
+    from retrofit.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    _looped(max_depth=2).save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    out = tmp_path / "eval"
+    argv = ["eval", "--model", str(ckpt), "--name", "looped", "--compare", "tiny-llama=base", "--task", "mano"]
+    argv += ["--levels", "2,3", "--n", "3", "--accuracy", "teacher_forced_argmax", "--no-exit-policies", "--quiet"]
+    argv += [
+        "--frontier",
+        "--frontier-thresholds",
+        "0.3,0.7",
+        "--frontier-draws",
+        "2",
+        "--frontier-rows-per-level",
+        "2",
+    ]
+    assert main(argv + ["--out", str(out)]) == 0
+    fr = json.loads((out / "results.json").read_text())["frontier"]["mano"]
+    assert fr["rows"] == 4 and fr["rows_per_level"] == 2
+    keys = {(p["model"], p["key"]) for p in fr["points"]}
+    assert ("base", "plain") in keys and ("looped", "decider:0.3") in keys and ("looped", "random:own") in keys
+    assert all(len(p["seeds"]) == 2 for p in fr["points"] if p["policy"] == "random")
+    assert (out / "accuracy_vs_flops.png").stat().st_size > 0
+    assert "Accuracy–compute frontier" in (out / "report.md").read_text()
+    with pytest.raises(SystemExit):  # argparse rejects a malformed threshold list
+        main(["eval", "--model", str(ckpt), "--frontier-thresholds", "a,b"])
+    assert main(["eval", "--model", str(ckpt), "--frontier", "--out", str(tmp_path / "x"), "--quiet"]) == 2
+    assert "teacher_forced_argmax" in capsys.readouterr().err
+
+
 def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
     """main_job_report on tiny models (looped TaH2, a fixed-depth control, an SFT stand-in, the base): summary.json
     holds the frontier (every model and policy), the decider-vs-random tests, the gain table, the break-even d̄,
@@ -435,6 +468,7 @@ def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
     ):
         assert on_disk.get(key) is not None, key
     assert on_disk["frontier_rows"] == 6
+    assert on_disk["frontier_cost"]["looped"]["passes"] >= 5 and on_disk["frontier_cost"]["sft"]["passes"] == 0
     policies = {(p["model"], p["policy"]) for p in on_disk["frontier"]}
     assert policies == {
         ("looped", "decider"),
