@@ -16,9 +16,10 @@ control, the report with the accuracy-compute frontier and random allocation (do
 
 The paper's scale on a GPU (a 22-layer core at 4 depths, full fine-tuning, MANO)::
 
-    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --config recipes/configs/anira_llama_gpu.yaml
-    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --config recipes/configs/anira_llama_gpu.yaml \\
-        --task brevo --max_depth 6 --gamma 0.05
+    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py \\
+        --config recipes/configs/anira_llama_gpu.yaml
+    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py \\
+        --config recipes/configs/anira_llama_gpu.yaml --task brevo --max_depth 6 --gamma 0.05
     # CPU smoke test on a tiny random model and your own rows (JSON lines with prompt + answer)
     accelerate launch --config_file launch/cpu.yaml recipes/anira_llama.py \\
         --model tiny-llama --prelude 1 --core 4 --data_file rows.jsonl --max_steps 3 --output_dir /tmp/anira
