@@ -513,12 +513,50 @@ GRIDS = {
 }
 
 
+def summarize(path: str) -> str:
+    """A Markdown table of a sweep's JSON lines: one row per configuration (the looped arm against its SFT
+    control; the frontier, random allocation and gain deciles where measured)."""
+
+    def pct(x):
+        return "—" if x is None else f"{100 * x:.1f}"
+
+    rows = [
+        "| configuration | looped | SFT | diff (p) | d̄ | forced d=1 / 2 | fixed | τ sweep 0.1/0.3/0.5/0.7/0.9: acc @ d̄ "
+        "| decider − random @ τ 0.5 (p) | gain-decile ρ | train s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        arms = r["arms"]
+        lo = arms.get("looped") or {}
+        sft = arms.get("sft") or {}
+        fx = arms.get("fixed") or {}
+        fr = lo.get("frontier") or {}
+        sweep = " / ".join(f"{pct(p['accuracy'])}@{p['mean_depth']:.2f}" for p in fr.get("points", []))
+        rnd = fr.get("random") or {}
+        rtxt = f"{100 * rnd['decider_minus_random']:+.1f} ({rnd['sign_flip_p']:.2g})" if rnd else "—"
+        gd = (lo.get("gain_deciles") or {}).get("spearman")
+        diff = r.get("looped_minus_sft")
+        rows.append(
+            f"| {r['cfg']['name']} | {pct(lo.get('mean_acc'))} | {pct(sft.get('mean_acc'))} | "
+            + (f"{100 * diff:+.1f} ({r['mcnemar_p']:.2g})" if diff is not None else "—")
+            + f" | {lo.get('dbar_answer', float('nan')):.2f} | {pct(lo.get('acc_d1'))} / {pct(lo.get('acc_d2'))} | "
+            f"{pct(fx.get('mean_acc'))} | {sweep or '—'} | {rtxt} | {'—' if gd is None else f'{gd:+.2f}'} | "
+            f"{lo.get('train_s', '—')} |"
+        )
+    return "\n".join(rows)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", default="default", help=f"one of {sorted(GRIDS)} or a JSON list of Cfg overrides")
     p.add_argument("--out", default="outputs/sweep_main_job.jsonl")
     p.add_argument("--set", action="append", default=[], help="override KEY=JSON for every configuration")
+    p.add_argument("--summarize", metavar="JSONL", help="print a Markdown table of a sweep's results and exit")
     a = p.parse_args(argv)
+    if a.summarize:
+        print(summarize(a.summarize))
+        return
     torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
     if a.grid in GRIDS:
         cfgs = GRIDS[a.grid]
