@@ -44,8 +44,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import weakref
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
@@ -80,7 +82,7 @@ class Settings:
     """
 
     dense: bool = False
-    query_chunk: int = 256
+    query_chunk: int = 128
     chunk_kernel: str = "auto"
 
     def __post_init__(self):
@@ -186,20 +188,26 @@ def _eager_of(module):
 
 
 def delegate(module, query, key, value, attention_mask, impl: str | None = None, **kwargs):
-    """Run the user's attention implementation (or ``impl``) exactly as the base model would.
+    """Run the user's attention implementation (or ``impl``, as given) exactly as the base model would.
 
-    A dense 4-D tensor mask, or keys longer than the queries (the decode path's cached keys), go to sdpa
-    when the implementation is flash- or flex-attention: neither takes a dense mask (flash not at all,
-    flex only as a per-element score) and the decode path's masks are dense.
+    Without ``impl``, a dense 4-D tensor mask, or keys longer than the queries (the decode path's cached
+    keys), go to sdpa when the user's implementation is flash- or flex-attention: neither takes a dense mask
+    (flash not at all, flex only as a per-element score) and the decode path's masks are dense.
     """
     config = module.config.inner if isinstance(module.config, LoopedAttentionConfig) else module.config
-    impl = impl or config._attn_implementation or "sdpa"
+    if impl is None:
+        impl = config._attn_implementation or "sdpa"
+        impl = _route(impl, query, key, attention_mask)
+    fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, _eager_of(module))
+    return fn(_AsBase(module, config), query, key, value, attention_mask, **kwargs)
+
+
+def _route(impl: str, query, key, attention_mask) -> str:
     if impl not in ("sdpa", "eager"):
         dense_mask = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
         if dense_mask or key.shape[2] != query.shape[2]:
-            impl = "sdpa"
-    fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, _eager_of(module))
-    return fn(_AsBase(module, config), query, key, value, attention_mask, **kwargs)
+            return "sdpa"
+    return impl
 
 
 def looped_attention_forward(module, query, key, value, attention_mask, **kwargs):
@@ -225,6 +233,17 @@ AttentionInterface.register(ATTENTION_NAME, looped_attention_forward)
 # ------------------------------------------------------------------------------------------------
 # Per-forward metadata and the per-depth masks
 # ------------------------------------------------------------------------------------------------
+class Block(NamedTuple):
+    """Queries ``t0 … t1-1`` of the chunked kernel. ``lo``: the first position any of them can see (the
+    earliest start of their packed sequences, over the batch); ``uniform``: in every row they belong to
+    one packed sequence (so keys before ``t0`` are visible to all of them or to none)."""
+
+    t0: int
+    t1: int
+    lo: int
+    uniform: bool
+
+
 class SequenceAttention:
     """The attention metadata of one full-sequence forward, and the mask each layer call gets.
 
@@ -245,7 +264,8 @@ class SequenceAttention:
 
     def __init__(self, model, x: torch.Tensor, attention_mask, position_ids, store):
         B, T, _ = x.shape
-        self.store = store
+        # weak: the backward of the chunked kernel keeps its DepthMask (hence this object), not the store's K/V
+        self._store = weakref.ref(store)
         self.B, self.T, self.dtype, self.device = B, T, x.dtype, x.device
         self.settings = _SETTINGS.get()
         self.impl = model.config._attn_implementation or "sdpa"
@@ -259,24 +279,29 @@ class SequenceAttention:
         else:
             self.plain = _causal_mask(model.config, x, attention_mask if pad else None, position_ids, self.seg)
 
+    @property
+    def store(self):
+        """The forward's ``DepthKVStore`` (alive while the forward, or a checkpointed layer's replay, runs)."""
+        return self._store()
+
     @cached_property
     def base_vis(self) -> torch.Tensor:
         """``[B, T, T]`` bool position-level visibility (the dense kernel only)."""
         return base_visibility(self.B, self.T, self.device, self.attention_mask, self.position_ids)
 
-    def chunks(self, C: int) -> list[tuple[int, int, int]]:
-        """Query blocks ``(t0, t1, lo)`` of at most ``C`` queries; ``lo``: the first position any query of
-        the block can see (the earliest start of its packed sequences, over the batch)."""
+    def chunks(self, C: int) -> list[Block]:
+        """Query blocks of at most ``C`` queries (see ``Block``)."""
         starts = list(range(0, self.T, C))
+        ends = [min(self.T, t0 + C) for t0 in starts]
         if self.seg is None:
-            los = [0] * len(starts)
-        else:
-            idx = torch.arange(self.T, device=self.device).expand(self.B, self.T)
-            new = torch.ones_like(self.valid)
-            new[:, 1:] = self.seg[:, 1:] != self.seg[:, :-1]
-            seg_start = torch.where(new, idx, torch.zeros_like(idx)).cummax(-1).values  # [B, T]
-            los = seg_start[:, starts].min(0).values.tolist()
-        return [(t0, min(self.T, t0 + C), lo) for t0, lo in zip(starts, los)]
+            return [Block(t0, t1, 0, True) for t0, t1 in zip(starts, ends)]
+        idx = torch.arange(self.T, device=self.device).expand(self.B, self.T)
+        new = torch.ones_like(self.valid)
+        new[:, 1:] = self.seg[:, 1:] != self.seg[:, :-1]
+        seg_start = torch.where(new, idx, torch.zeros_like(idx)).cummax(-1).values  # [B, T]
+        los = seg_start[:, starts].min(0).values.tolist()
+        uniform = (self.seg[:, starts] == self.seg[:, [t1 - 1 for t1 in ends]]).all(0).tolist()
+        return [Block(*b) for b in zip(starts, ends, los, uniform)]
 
     def for_depth(self, d: int, active: list[torch.Tensor], lookahead: bool = False):
         """The ``attention_mask`` of the core layers at depth ``d``.
@@ -375,7 +400,7 @@ class DepthMask:
 
     # -- the rule, per query block and per flex tile ---------------------------------------------
     @cached_property
-    def plan(self) -> list[tuple[int, int, int]]:
+    def plan(self) -> list[Block]:
         return self.seq.chunks(self.seq.settings.query_chunk)
 
     @cached_property
@@ -385,22 +410,59 @@ class DepthMask:
             kind = "cpu" if self.seq.device.type == "cpu" and _CPU_FLASH is not None else "math"
         return kind
 
-    def block_visibility(self, t0: int, t1: int, lo: int) -> torch.Tensor:
-        """``[B, t1 - t0, (t1 - lo) * m]`` bool: queries ``t0 … t1-1`` (at depth ``m``) against the
-        position-major keys of positions ``lo … t1-1``, depths ``1 … m``."""
+    def visibility(self, t0: int, t1: int, s0: int, s1: int) -> torch.Tensor:
+        """``[B, t1 - t0, (s1 - s0) * m]`` bool: queries ``t0 … t1-1`` (at depth ``m``) against the
+        position-major keys of positions ``s0 … s1-1``, depths ``1 … m`` (``retrofit.attention.depth_rule``)."""
         seq, m, dev = self.seq, self.depth, self.seq.device
-        B = seq.B
         t = torch.arange(t0, t1, device=dev)[None, :, None, None]
-        s = torch.arange(lo, t1, device=dev)[None, None, :, None]
+        s = torch.arange(s0, s1, device=dev)[None, None, :, None]
         j = torch.arange(1, m + 1, device=dev)[None, None, None, :]
-        last_s = self.last[:, None, lo:t1, None]
-        valid_s = seq.valid[:, None, lo:t1, None]
+        last_s = self.last[:, None, s0:s1, None]
+        valid_s = seq.valid[:, None, s0:s1, None]
         if seq.seg is None:
             seg_t = seg_s = s.new_zeros(())
         else:
-            seg_t, seg_s = seq.seg[:, t0:t1, None, None], seq.seg[:, None, lo:t1, None]
+            seg_t, seg_s = seq.seg[:, t0:t1, None, None], seq.seg[:, None, s0:s1, None]
         vis = depth_rule(seq.mode, m, t, s, j, last_s, seg_t, seg_s, valid_s)  # [B, C, L, m]
-        return vis.expand(B, t1 - t0, t1 - lo, m).reshape(B, t1 - t0, (t1 - lo) * m)
+        return vis.expand(seq.B, t1 - t0, s1 - s0, m).reshape(seq.B, t1 - t0, (s1 - s0) * m)
+
+    def block_visibility(self, t0: int, t1: int, lo: int) -> torch.Tensor:
+        """``[B, t1 - t0, (t1 - lo) * m]`` bool: a block's queries against every key it reads."""
+        return self.visibility(t0, t1, lo, t1)
+
+    def parts(self, blk: Block, dtype) -> list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]:
+        """The key ranges of a query block, each ``(k0, k1, mask, empty)`` in position-major key indices.
+
+        - the **diagonal** part, positions ``t0 … t1-1``: a ``[B, 1, C, C·m]`` additive mask from the rule;
+        - the **earlier** part, positions ``lo … t0-1`` (all before every query of the block, so the causal
+          and lookahead terms of the rule are constant): when the block is ``uniform``, one row of the
+          pattern serves every query, a broadcast ``[B, 1, 1, L·m]`` mask, or no mask at all when every
+          such key is visible (no exits, no padding, one sequence: the common case); otherwise the full
+          ``[B, 1, C, L·m]`` rule.
+
+        ``empty``: rows with no visible key in the part (``[B, 1, 1]`` or ``[B, 1, C]`` bool, or None),
+        whose log-sum-exp the merge sets to -inf. Uniform blocks' parts are the same for every core layer
+        at this depth and their backward: they are kept (O(T·C·m) in all); the others are rebuilt.
+        """
+        cache = self.__dict__.setdefault("_parts", {})
+        if blk in cache:
+            return cache[blk]
+        m, (t0, t1, lo, uniform) = self.depth, blk
+        vis = self.visibility(t0, t1, t0, t1)
+        out = [(t0 * m, t1 * m, _additive(vis[:, None], dtype), ~vis.any(-1)[:, None])]
+        if lo < t0:
+            if uniform:  # the block's first query stands for all of them
+                row = self.visibility(t0, t0 + 1, lo, t0)[:, None]  # [B, 1, 1, L*m]
+                if bool(row.all()):
+                    out.append((lo * m, t0 * m, None, None))
+                else:
+                    out.append((lo * m, t0 * m, _additive(row, dtype), ~row.any(-1)))
+            else:
+                full = self.visibility(t0, t1, lo, t0)
+                out.append((lo * m, t0 * m, _additive(full[:, None], dtype), ~full.any(-1)[:, None]))
+        if uniform:
+            cache[blk] = out
+        return out
 
     def block_mask(self):
         """The flex-attention ``BlockMask`` of this depth (``[B, 1, T, T·m]``, position-major keys), built
@@ -426,15 +488,15 @@ class DepthMask:
 # ------------------------------------------------------------------------------------------------
 # The chunked kernel: linear memory, autograd included
 # ------------------------------------------------------------------------------------------------
-def _block_mask_additive(vis: torch.Tensor, dtype) -> torch.Tensor:
-    """``[B, C, K]`` bool -> ``[B, 1, C, K]`` additive (0 / -inf). A fully masked row (a padding query)
-    gets a zero output and no gradient from both kernels."""
+def _additive(vis: torch.Tensor, dtype) -> torch.Tensor:
+    """bool -> additive mask (0 / -inf); both kernels give a fully masked row a zero output and no gradient."""
     zero = torch.zeros((), dtype=dtype, device=vis.device)
-    return torch.where(vis, zero, zero - float("inf"))[:, None]
+    return torch.where(vis, zero, zero - float("inf"))
 
 
 def _math_forward(q, k, v, mask, scale):
-    """One query block, matmul + softmax. q ``[B, Hq, C, hd]``; k, v ``[B, Hkv, K, hd]``; mask ``[B, 1, C, K]``.
+    """One query block, matmul + softmax. q ``[B, Hq, C, hd]``; k, v ``[B, Hkv, K, hd]``; mask ``[B, 1, C or 1, K]``
+    additive, or None.
 
     Query head ``h`` reads key head ``h // G`` (transformers' ``repeat_kv`` layout); the groups are folded
     into the query axis instead of repeating the keys. Returns ``(out [B, Hq, C, hd], lse [B, Hq, C])``.
@@ -442,8 +504,9 @@ def _math_forward(q, k, v, mask, scale):
     B, Hq, C, hd = q.shape
     Hkv, K = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    s = torch.matmul(q.reshape(B, Hkv, G * C, hd), k.transpose(-1, -2)).float().mul_(scale)
-    s = s.view(B, Hkv, G, C, K) + mask[:, :, None].float()
+    s = torch.matmul(q.reshape(B, Hkv, G * C, hd), k.transpose(-1, -2)).float().mul_(scale).view(B, Hkv, G, C, K)
+    if mask is not None:
+        s = s + mask[:, :, None].float()
     lse = torch.logsumexp(s, -1)
     lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # fully masked rows: p = 0
     p = torch.exp(s - lse[..., None])
@@ -457,8 +520,9 @@ def _math_backward(g, q, k, v, out, lse, mask, scale):
     Hkv, K = k.shape[1], k.shape[2]
     G = Hq // Hkv
     qf = q.reshape(B, Hkv, G * C, hd)
-    s = torch.matmul(qf, k.transpose(-1, -2)).float().mul_(scale)
-    s = s.view(B, Hkv, G, C, K) + mask[:, :, None].float()
+    s = torch.matmul(qf, k.transpose(-1, -2)).float().mul_(scale).view(B, Hkv, G, C, K)
+    if mask is not None:
+        s = s + mask[:, :, None].float()
     p = torch.exp(s - lse.view(B, Hkv, G, C)[..., None])
     gf = g.reshape(B, Hkv, G * C, hd)
     delta = (g.float() * out.float()).sum(-1).view(B, Hkv, G, C, 1)
@@ -485,26 +549,39 @@ _KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "math": (_math_forward, _math_
 class _ChunkedAttention(torch.autograd.Function):
     """Depth attention by query blocks (see the module docstring).
 
-    Forward: per block, build the block's mask from the rule, attend, keep the output and the
-    log-sum-exp. Saved for backward: ``q``, the position-major ``k``/``v``, the output ``[B, T, Hq, hd]``
-    and the log-sum-exp ``[B, Hq, T]``: all linear in ``T``. Backward: per block, rebuild the mask and let
-    the kernel recompute the probabilities from the log-sum-exp.
+    Forward: per block and per key part (``DepthMask.parts``), attend and keep the output and the
+    log-sum-exp; a block's parts are merged by their log-sum-exps (as flash attention merges its tiles).
+    Saved for backward: ``q``, the position-major ``k``/``v``, the merged output ``[B, T, Hq, hd]`` and
+    log-sum-exp ``[B, Hq, T]``: all linear in ``T``. Backward: per block and part, the kernel recomputes the
+    probabilities from the merged log-sum-exp (so each part's gradient is that of the whole softmax).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, dm: DepthMask, scale: float):
         # q [B, Hq, T, hd]; k, v [B, Hkv, T * m, hd] (position-major)
         B, Hq, T, hd = q.shape
-        m = dm.depth
         fwd, _ = _KERNELS[dm.chunk_kernel]
         out = q.new_empty(B, T, Hq, hd)
-        lses = []
-        for t0, t1, lo in dm.plan:
-            mask = _block_mask_additive(dm.block_visibility(t0, t1, lo), q.dtype)
-            o, lse = fwd(q[:, :, t0:t1], k[:, :, lo * m : t1 * m], v[:, :, lo * m : t1 * m], mask, scale)
-            out[:, t0:t1] = o.transpose(1, 2)
-            lses.append(lse)
-        ctx.save_for_backward(q, k, v, out, torch.cat(lses, -1))
+        lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+        for blk in dm.plan:
+            t0, t1 = blk.t0, blk.t1
+            res = []
+            for k0, k1, mask, empty in dm.parts(blk, q.dtype):
+                o_p, lse_p = fwd(q[:, :, t0:t1], k[:, :, k0:k1], v[:, :, k0:k1], mask, scale)
+                lse_p = lse_p.float()
+                if empty is not None:
+                    lse_p = lse_p.masked_fill(empty, float("-inf"))
+                res.append((o_p, lse_p))
+            if len(res) == 1:
+                o_b, lse_b = res[0]
+            else:
+                (o1, lse1), (o2, lse2) = res
+                lse_b = torch.logaddexp(lse1, lse2)
+                w1, w2 = torch.exp(lse1 - lse_b)[..., None], torch.exp(lse2 - lse_b)[..., None]
+                o_b = o1 * w1.nan_to_num(0.0).to(o1.dtype) + o2 * w2.nan_to_num(0.0).to(o2.dtype)
+            out[:, t0:t1] = o_b.transpose(1, 2)
+            lse[:, :, t0:t1] = lse_b.masked_fill(torch.isneginf(lse_b), 0.0)  # no visible key (padding): p = 0
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.dm, ctx.scale = dm, scale
         return out
 
@@ -512,26 +589,17 @@ class _ChunkedAttention(torch.autograd.Function):
     def backward(ctx, g):
         q, k, v, out, lse = ctx.saved_tensors
         dm, scale = ctx.dm, ctx.scale
-        m = dm.depth
         _, bwd = _KERNELS[dm.chunk_kernel]
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for t0, t1, lo in dm.plan:
-            mask = _block_mask_additive(dm.block_visibility(t0, t1, lo), q.dtype)
-            a, b = lo * m, t1 * m
-            gq, gk, gv = bwd(
-                g[:, t0:t1].transpose(1, 2),
-                q[:, :, t0:t1],
-                k[:, :, a:b],
-                v[:, :, a:b],
-                out[:, t0:t1].transpose(1, 2),
-                lse[..., t0:t1],
-                mask,
-                scale,
-            )
-            dq[:, :, t0:t1] = gq
-            dk[:, :, a:b] += gk
-            dv[:, :, a:b] += gv
+        for blk in dm.plan:
+            t0, t1 = blk.t0, blk.t1
+            g_b, o_b = g[:, t0:t1].transpose(1, 2), out[:, t0:t1].transpose(1, 2)
+            for k0, k1, mask, _ in dm.parts(blk, q.dtype):
+                gq, gk, gv = bwd(g_b, q[:, :, t0:t1], k[:, :, k0:k1], v[:, :, k0:k1], o_b, lse[..., t0:t1], mask, scale)
+                dq[:, :, t0:t1] += gq
+                dk[:, :, k0:k1] += gk
+                dv[:, :, k0:k1] += gv
         return dq, dk, dv, None, None
 
 
