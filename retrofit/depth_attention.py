@@ -23,11 +23,14 @@ The kernels of a ``DepthMask`` (``SequenceAttention.for_depth`` picks one per de
 - ``chunked`` (sdpa and flash users, any device): the depth-stacked keys ``(s, j)``, ``j <= m``, are laid
   out position-major (key ``s·m + j - 1``) and queries run in blocks of ``query_chunk``; a block
   ``[t0, t1)`` reads only the keys of positions ``[lo, t1)`` (``lo`` = the earliest start of the block's
-  packed sequences), so the work is causal, not full. Each block's mask is built inside the kernel from
-  1-D metadata (``retrofit.attention.depth_rule``) and dropped; the backward rebuilds it and recomputes
-  the block's probabilities from the saved log-sum-exp (a flash-style custom autograd ``Function``), so
-  memory, autograd included, is linear in ``T``. On CPU the blocks run PyTorch's fused flash-attention
-  CPU kernels; elsewhere a plain matmul/softmax per block.
+  packed sequences), so the work is causal, not full. Those keys come in two parts (``DepthMask.parts``):
+  the diagonal block ``[t0, t1)``, with a small ``C × C·m`` mask from the rule
+  (``retrofit.attention.depth_rule``), and the earlier keys ``[lo, t0)``, which every query of the block
+  sees alike (one broadcast row of the pattern, or no mask at all when every one is visible); the two
+  attentions are merged by their log-sum-exps. The backward recomputes each part's probabilities from the
+  saved output and log-sum-exp (a flash-style custom autograd ``Function``), so memory, autograd
+  included, is linear in ``T``. On CPU the parts run PyTorch's fused flash-attention CPU kernels;
+  elsewhere a plain matmul/softmax per part.
 - ``flex`` (flex_attention users): one ``BlockMask`` per depth from the same rule, built once and reused
   by every core layer and the backward; the call is transformers' own flex-attention function. Compiled
   flex attention has no backward on CPU in current PyTorch, so flex training needs a GPU.
@@ -331,13 +334,14 @@ def _causal_mask(config, x, attention_mask, position_ids, seg):
     added as an ``and_mask_function`` (a dense pattern for sdpa and eager, a block mask for flex).
     """
     kwargs = dict(config=config, inputs_embeds=x, attention_mask=attention_mask, cache=None, position_ids=position_ids)
+    B, T = x.shape[:2]
+    theirs = find_packed_sequence_indices(position_ids.expand(B, T)) if attention_mask is None else None
     if seg is None:
+        if theirs is not None:  # ids that do not step by one, but no reset: one sequence (a padding mask
+            kwargs["attention_mask"] = torch.ones(B, T, dtype=torch.bool, device=x.device)  # turns the reading off)
         return create_causal_mask(**kwargs)
-    B, T = seg.shape
-    if attention_mask is None:
-        theirs = find_packed_sequence_indices(position_ids.expand(B, T))
-        if theirs is not None and torch.equal(theirs[:, 1:] != theirs[:, :-1], seg[:, 1:] != seg[:, :-1]):
-            return create_causal_mask(**kwargs)
+    if theirs is not None and torch.equal(theirs[:, 1:] != theirs[:, :-1], seg[:, 1:] != seg[:, :-1]):
+        return create_causal_mask(**kwargs)
     impl = config._attn_implementation or "sdpa"
     if impl.startswith("flash_attention"):
         raise ValueError(
@@ -366,6 +370,7 @@ class DepthMask:
     def __init__(self, seq: SequenceAttention, depth: int, kernel: str, last=None, dense=None):
         self.seq, self.depth, self.kernel, self.last, self.dense = seq, depth, kernel, last, dense
         self._block_mask = None
+        self._parts: dict[tuple, list] = {}  # the uniform blocks' key parts (``parts``), by (block, dtype)
 
     def attend(self, module, query, key, value, dropout: float = 0.0, scaling: float | None = None, **kwargs):
         """The attention of one core layer at this depth (``looped_attention_forward``'s depth branch)."""
@@ -444,9 +449,8 @@ class DepthMask:
         whose log-sum-exp the merge sets to -inf. Uniform blocks' parts are the same for every core layer
         at this depth and their backward: they are kept (O(T·C·m) in all); the others are rebuilt.
         """
-        cache = self.__dict__.setdefault("_parts", {})
-        if blk in cache:
-            return cache[blk]
+        if (blk, dtype) in self._parts:
+            return self._parts[(blk, dtype)]
         m, (t0, t1, lo, uniform) = self.depth, blk
         vis = self.visibility(t0, t1, t0, t1)
         out = [(t0 * m, t1 * m, _additive(vis[:, None], dtype), ~vis.any(-1)[:, None])]
@@ -461,7 +465,7 @@ class DepthMask:
                 full = self.visibility(t0, t1, lo, t0)
                 out.append((lo * m, t0 * m, _additive(full[:, None], dtype), ~full.any(-1)[:, None]))
         if uniform:
-            cache[blk] = out
+            self._parts[(blk, dtype)] = out
         return out
 
     def block_mask(self):

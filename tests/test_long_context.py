@@ -73,6 +73,23 @@ def _step(model, batch, reference: bool, **kw):
     return out, grads
 
 
+def _kernels_used(model, batch, **kw) -> set[str]:
+    """The ``DepthMask`` kernels a forward runs (depth >= 2)."""
+    used, attend = set(), da.DepthMask.attend
+
+    def spy(self, *a, **k):
+        used.add(self.kernel)
+        return attend(self, *a, **k)
+
+    da.DepthMask.attend = spy
+    try:
+        with torch.no_grad(), da.settings(**kw):
+            model(**batch)
+    finally:
+        da.DepthMask.attend = attend
+    return used
+
+
 def _assert_same(model, batch, **kw):
     ref, g_ref = _step(model, batch, True)
     out, g_out = _step(model, batch, False, **kw)
@@ -89,20 +106,21 @@ def _assert_same(model, batch, **kw):
 
 
 @pytest.mark.parametrize(
-    "method, attention, max_depth, layout, kernel",
+    "method, attention, max_depth, layout, kernel, runs",
     [
-        ("tah2", "duo-causal", 2, "left-pad", "cpu"),  # lookahead rows, padding, M = 2
-        ("tah2", "duo-causal", 3, "packed", "cpu"),  # packed rows, M = 3
-        ("tah2", "duo-causal", 3, "left-pad", "math"),  # the device-agnostic block kernel
-        ("tah2", "same-depth", 3, "left-pad", "cpu"),  # same-depth with lookahead rows: the rule kernel
-        ("anira-e", "same-depth", 3, "packed", "cpu"),  # same-depth, no lookahead: gathered K/V
-        ("anira-e", "same-depth", 2, "left-pad", "cpu"),
-        ("fixed", "duo-causal", 3, "none", "math"),
+        ("tah2", "duo-causal", 2, "left-pad", "cpu", "chunked"),  # lookahead rows, padding, M = 2
+        ("tah2", "duo-causal", 3, "packed", "cpu", "chunked"),  # packed rows, M = 3
+        ("tah2", "duo-causal", 3, "left-pad", "math", "chunked"),  # the device-agnostic block kernel
+        ("tah2", "same-depth", 3, "left-pad", "cpu", "chunked"),  # same-depth with lookahead rows: the rule
+        ("anira-e", "same-depth", 3, "packed", "cpu", "gather"),  # same-depth, no lookahead: gathered K/V
+        ("anira-e", "same-depth", 2, "left-pad", "cpu", "gather"),
+        ("fixed", "duo-causal", 3, "none", "math", "chunked"),
     ],
 )
-def test_training_step_equals_dense_reference(method, attention, max_depth, layout, kernel):
+def test_training_step_equals_dense_reference(method, attention, max_depth, layout, kernel, runs):
     model = _looped(method, attention, max_depth)
     batch = _batch(layout)
+    assert runs in _kernels_used(model, batch, query_chunk=5)
     ref = _assert_same(model, batch, query_chunk=5, chunk_kernel=kernel)
     real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
     if method != "fixed":  # a mix of exited and active tokens (TaH2: the exited ones have lookahead rows)
@@ -144,6 +162,35 @@ def _metadata_case(mode, seed=0):
     seq = da.SequenceAttention(model, torch.zeros(B, T, 64), pad, pos, DepthKVStore())
     base = base_visibility(B, T, "cpu", pad, pos)
     return seq, active, base, B, T, D
+
+
+@pytest.mark.parametrize(
+    "pad, pos",
+    [
+        (None, None),  # sdpa's is_causal
+        ("left", None),  # transformers' padding mask
+        (None, "packed"),  # transformers reads the packing from the position ids
+        ("left", "packed"),  # both: the segment rule is added to transformers' mask
+        (None, "steps-of-two"),  # ids that never reset: one sequence for retrofit, two for transformers' rule
+    ],
+)
+def test_prelude_mask_is_the_base_models_with_retrofits_segments(pad, pos):
+    B, T = 2, 12
+    mask = torch.ones(B, T, dtype=torch.long)
+    if pad:
+        mask[1, :4] = 0
+    pids = (mask.cumsum(-1) - 1).clamp_min(0)
+    if pos == "packed":
+        pids[0] = torch.cat([torch.arange(5), torch.arange(7)])
+    if pos == "steps-of-two":
+        pids = torch.cat([torch.arange(6), torch.arange(8, 14)])[None].expand(B, T)
+    model = retrofit.convert(tiny_base("llama"), LoopConfig(max_depth=2))
+    seq = da.SequenceAttention(model, torch.zeros(B, T, 64), mask if pad else None, pids, DepthKVStore())
+    want = base_visibility(B, T, "cpu", mask if pad else None, pids)
+    got = torch.ones(B, T, T, dtype=torch.bool).tril() if seq.plain is None else seq.plain[:, 0]
+    real = mask.bool()
+    assert torch.equal(got[real], want[real])
+    assert (seq.plain is None) == (pad is None and pos in (None, "steps-of-two"))
 
 
 @pytest.mark.parametrize("mode", retrofit.ATTENTION_MODES)
@@ -240,6 +287,13 @@ def test_convert_and_load_keep_the_attention_implementation(tmp_path, impl):
     assert looped.model.layers[1].self_attn.config.inner._attn_implementation == "sdpa"
 
 
+def test_build_looped_model_takes_the_attention_implementation():
+    from retrofit.model_setup import build_looped_model
+
+    model, _ = build_looped_model("tiny-llama", LoopConfig(max_depth=2), attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+
+
 def test_flash_attention_is_not_downgraded(tmp_path):
     """Without the flash-attn package (CPU), asking for it fails with transformers' own clear error."""
     retrofit.convert(tiny_base("llama"), LoopConfig(max_depth=2)).save_pretrained(tmp_path)
@@ -266,6 +320,7 @@ def test_flex_attention_model_equals_dense_reference():
             ref = model(**batch, depth=depths).logits
         out = model(**batch, depth=depths).logits
     torch.testing.assert_close(out[real], ref[real], atol=ATOL, rtol=0)
+    assert _kernels_used(model, {**batch, "depth": depths}) == {"flex"}
 
 
 def test_flex_model_decodes_like_sdpa():
