@@ -193,9 +193,9 @@ def _eager_of(module):
 def delegate(module, query, key, value, attention_mask, impl: str | None = None, **kwargs):
     """Run the user's attention implementation (or ``impl``, as given) exactly as the base model would.
 
-    Without ``impl``, a dense 4-D tensor mask, or keys longer than the queries (the decode path's cached
-    keys), go to sdpa when the user's implementation is flash- or flex-attention: neither takes a dense mask
-    (flash not at all, flex only as a per-element score) and the decode path's masks are dense.
+    Without ``impl``, the decode path's dense masks go to sdpa when the user's implementation is flash- or
+    flex-attention (``_route``): neither takes a dense mask (flash not at all, flex only as a per-element
+    score).
     """
     config = module.config.inner if isinstance(module.config, LoopedAttentionConfig) else module.config
     if impl is None:
@@ -206,10 +206,15 @@ def delegate(module, query, key, value, attention_mask, impl: str | None = None,
 
 
 def _route(impl: str, query, key, attention_mask) -> str:
-    if impl not in ("sdpa", "eager"):
-        dense_mask = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
-        if dense_mask or key.shape[2] != query.shape[2]:
-            return "sdpa"
+    """sdpa for what flash- and flex-attention cannot take: a dense 4-D mask (the decode path's), and, for
+    flex, no mask over cached keys (the decode path without padding; transformers' own flex masks are
+    ``BlockMask``s). A 2-D padding mask or None stays with flash-attention, which reads them itself."""
+    if impl in ("sdpa", "eager"):
+        return impl
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        return "sdpa"
+    if impl == "flex_attention" and attention_mask is None and key.shape[2] != query.shape[2]:
+        return "sdpa"
     return impl
 
 

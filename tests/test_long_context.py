@@ -287,6 +287,24 @@ def test_convert_and_load_keep_the_attention_implementation(tmp_path, impl):
     assert looped.model.layers[1].self_attn.config.inner._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_the_base_model_sharing_the_layers_is_unchanged(impl):
+    """``convert`` routes the shared layers' attention through ``looped_attention_forward``; the base model
+    then gets exactly its own implementation's result (padded forward and cached greedy decoding)."""
+    base = tiny_base("llama", attn_implementation=impl)
+    ids = torch.randint(3, 104, (2, 9), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        before = base(ids, attention_mask=mask).logits
+        gen_before = base.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        retrofit.convert(base, LoopConfig(max_depth=2))
+        assert isinstance(base.model.layers[0].self_attn.config, da.LoopedAttentionConfig)
+        after = base(ids, attention_mask=mask).logits
+        gen_after = base.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(before, after) and torch.equal(gen_before, gen_after)
+
+
 def test_build_looped_model_takes_the_attention_implementation():
     from retrofit.model_setup import build_looped_model
 
