@@ -97,16 +97,17 @@ def looped_from(path: Path, seed: int = 0):
     from transformers import LlamaForCausalLM
 
     import retrofit
+    from retrofit.testing import spread_decider
 
     base = LlamaForCausalLM.from_pretrained(path).eval()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        m = retrofit.convert(base, retrofit.LoopConfig(max_depth=3, method="tah2")).eval()
+        loop = retrofit.LoopConfig(max_depth=3, method="tah2", decider_arch="ffn", decider_top_k=10)
+        m = retrofit.convert(base, loop).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         m.updater.w2.weight.copy_(torch.randn(m.updater.w2.weight.shape, generator=g) * 0.3)
-        m.halting.decider.fc2.weight.copy_(torch.randn(m.halting.decider.fc2.weight.shape, generator=g))
-        m.halting.decider.fc2.bias.zero_()
+        spread_decider(m, std=1.0, generator=g)
     return m
 
 

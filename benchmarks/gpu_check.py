@@ -113,15 +113,13 @@ def serve() -> dict:
     import retrofit
     from retrofit.serving.engine import Engine
     from retrofit.serving.sampling import SamplingParams
+    from retrofit.testing import spread_decider
 
     torch.backends.cuda.matmul.allow_tf32 = False
     base = _qwen3("sdpa", torch.float32, 512, num_hidden_layers=4, vocab_size=32000)
     torch.manual_seed(1)
     model = retrofit.convert(base, retrofit.LoopConfig(prelude=1, core=2, max_depth=3, method="tah2")).eval()
-    with torch.no_grad():  # a decider that sends tokens to different depths
-        fc2 = model.halting.decider.fc2
-        fc2.weight.normal_(0.0, 2.0 / fc2.in_features**0.5)
-        fc2.bias.zero_()
+    spread_decider(model, logit_std=2.0, generator=torch.Generator().manual_seed(0))  # mixed exit depths
     g = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(3, 32000, (int(n),), generator=g).tolist() for n in torch.randint(8, 64, (8,), generator=g)

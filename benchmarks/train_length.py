@@ -72,11 +72,10 @@ def build(model_name: str, T: int):
     method = MODELS[model_name]
     if method is not None:
         model = retrofit.convert(model, retrofit.LoopConfig(**LOOP, method=method))
-    if model_name == "tah2-mixed":  # continue logit ≈ N(0, 1): most tokens exit at depth 1
-        with torch.no_grad():
-            fc2 = model.halting.decider.fc2
-            torch.nn.init.normal_(fc2.weight, std=1.0 / fc2.in_features**0.5)
-            fc2.bias.zero_()
+    if model_name == "tah2-mixed":  # continue logits spread ≈ N(0, 1): mixed exit depths
+        from retrofit.testing import spread_decider
+
+        spread_decider(model, logit_std=1.0, generator=torch.Generator().manual_seed(0))
     return model.train()
 
 

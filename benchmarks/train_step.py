@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import retrofit  # noqa: E402
 from retrofit.cli_params import REAL_SHAPES  # noqa: E402
 from retrofit.halting.base import LossConfig  # noqa: E402
+from retrofit.testing import spread_decider  # noqa: E402
 
 # SmolLM2-135M's shapes (a Llama: 30 layers, hidden 576, vocab 49152), as `retrofit params` counts them
 SMOLLM2_SHAPES = dict(REAL_SHAPES["HuggingFaceTB/SmolLM2-135M"][2], max_position_embeddings=2048, rms_norm_eps=1e-5)
@@ -116,10 +117,7 @@ def main() -> None:
         model.to(device).train()
         if name == "tah2_mixed":
             with torch.no_grad():  # continue logit ≈ N(0, 1): about half the tokens exit at depth 1
-                torch.nn.init.normal_(
-                    model.halting.decider.fc2.weight, std=1.0 / model.halting.decider.fc2.in_features**0.5
-                )
-                model.halting.decider.fc2.bias.zero_()
+                spread_decider(model, logit_std=1.0)
         runs[name] = {"step": make_step(model, cfg, not args.full_logits), "times": [], "cpu": [], "mean_depth": []}
 
     order = list(runs)

@@ -77,7 +77,7 @@ def build_checkpoint(folder: Path, method: str, args, base_folder: Path | None =
         for name, prm in model.named_parameters():
             if name == "updater.w2.weight":
                 prm.copy_(torch.randn(prm.shape, generator=g) * 0.05)
-            elif name == "halting.decider.fc2.weight":
+            elif name in ("halting.decider.fc2.weight", "halting.decider.score.weight"):
                 prm.copy_(torch.randn(prm.shape, generator=g))
             elif name == "halting.decider.fc2.bias":
                 prm.zero_()

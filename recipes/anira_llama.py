@@ -6,15 +6,20 @@ Gumbel-softmax in training, argmax at inference) or after every iteration (``--m
 inverse-CDF sampling in training, the median or a tunable cumulative threshold at inference). Loss:
 ``L = L_CE + γ · KL(q ‖ p)``, ``p(d) ∝ b^(-d)``; CE on answer tokens only, the KL term on all tokens.
 
-With no arguments it fine-tunes the embedded SmolLM2-135M-Instruct on MANO with ANIRA-E (preset
-``recipes/configs/anira_llama.yaml``)::
+With no arguments it is ANIRA's main job (preset ``recipes/configs/anira_llama.yaml``, 2 CPU cores, about
+3 GB): the TaH2 main job's harness — the embedded SmolLM2-135M-Instruct, insertion sort, the same-budget SFT
+control, the report with the accuracy-compute frontier and random allocation (docs/main-job.md)::
 
-    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py
-    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --method anira-o --halt_threshold 0.3
+    accelerate launch --config_file launch/cpu.yaml recipes/anira_llama.py
+    accelerate launch --config_file launch/cpu.yaml recipes/anira_llama.py --method anira-o
+    accelerate launch --config_file launch/cpu.yaml recipes/anira_llama.py --control sft,fixed
+
+The paper's scale on a GPU (a 22-layer core at 4 depths, full fine-tuning, MANO)::
+
     accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py \\
-        --task brevo --max_depth 6 --gamma 0.05
-    # the same-budget controls and the side-by-side report
-    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py --control sft,fixed --report true
+        --config recipes/configs/anira_llama_gpu.yaml
+    accelerate launch --config_file launch/single_gpu.yaml recipes/anira_llama.py \\
+        --config recipes/configs/anira_llama_gpu.yaml --task brevo --max_depth 6 --gamma 0.05
     # CPU smoke test on a tiny random model and your own rows (JSON lines with prompt + answer)
     accelerate launch --config_file launch/cpu.yaml recipes/anira_llama.py \\
         --model tiny-llama --prelude 1 --core 4 --data_file rows.jsonl --max_steps 3 --output_dir /tmp/anira

@@ -23,6 +23,8 @@ from .errors import RetrofitUserError
 
 METHODS = ("tah2", "anira-e", "anira-o", "fixed")
 ATTENTION_MODES = ("duo-causal", "same-depth")
+DECIDER_ARCHS = ("swiglu", "ffn")
+DECIDER_LOSS_NORMS = ("tokens", "weights")
 
 # Each method's natural attention (docs/looped-model.md): TaH2 trains with duo-causal attention across
 # depths; ANIRA uses the allocation-aware same-depth read; a plain fixed-depth loop (Huginn, Ouro)
@@ -71,6 +73,19 @@ class LossConfig:
         gamma: ANIRA's weight ``γ`` of the KL-to-prior term ``L_C`` (§4). The seed tunes it by grid
             search (ANIRA Appendix Table 5, values not in the seed); 0.01 is our default.
         prior_base: ANIRA's prior ``p(d) ∝ b^(-d)``; ``b = 1`` leaves only the entropy term (§4).
+        dyn_pos_weight: TaH2 release: the BCE's ``pos_weight`` at each decision depth is the batch's
+            negative/positive label ratio there (summed over data-parallel ranks), clamped to
+            ``[0.02, 50]`` (1 when either class is absent), so "continue" and "stop" weigh the same in
+            total whatever their frequency. ``False``: the static ``pos_weight``.
+        pos_weight: the static ``pos_weight`` when ``dyn_pos_weight`` is off (1 = plain BCE).
+        cost_min, cost_max: TaH2 release: the cost-sensitive weights ``|δ - κ|`` are clamped to
+            ``[cost_min, cost_max]`` (``1e-6``, ``1``), so a few decisions with huge gains or losses
+            cannot dominate the loss; ``cost_max=None`` leaves them unbounded (retrofit < 0.2).
+        decider_loss_norm: ``"tokens"``: ``L_D = Σ w · BCE / N`` with ``N`` the labelled tokens (the
+            release divides by ``num_items_in_batch``); ``"weights"``: ``Σ w · BCE / Σ w`` (retrofit < 0.2),
+            which makes ``L_D`` independent of the gains' scale.
+        bce_margin: TaH2 release: BCE on ``logit - m·(2y - 1)``: positives are pushed above ``+m``
+            and negatives below ``-m`` in logit space (0 = plain BCE).
     """
 
     alpha_d: float = 0.05
@@ -78,6 +93,12 @@ class LossConfig:
     decider_weighting: str = "distance"
     gamma: float = 0.01
     prior_base: float = 2.0
+    dyn_pos_weight: bool = True
+    pos_weight: float = 1.0
+    cost_min: float = 1e-6
+    cost_max: float | None = 1.0
+    decider_loss_norm: str = "tokens"
+    bce_margin: float = 0.0
 
     def __post_init__(self):
         if not 0.0 < self.rho <= 1.0:
@@ -88,9 +109,33 @@ class LossConfig:
             raise ValueError(f"alpha_d and gamma must be >= 0, got alpha_d={self.alpha_d!r}, gamma={self.gamma!r}")
         if self.prior_base <= 0:
             raise ValueError(f"prior_base (b in p(d) ∝ b^(-d)) must be > 0, got {self.prior_base!r}")
+        if not isinstance(self.dyn_pos_weight, bool):
+            raise ValueError(f"dyn_pos_weight must be true or false, got {self.dyn_pos_weight!r}")
+        if not _is_number(self.pos_weight) or not self.pos_weight > 0:
+            raise ValueError(f"pos_weight must be a number > 0, got {self.pos_weight!r}")
+        if not _is_number(self.cost_min) or self.cost_min < 0:
+            raise ValueError(f"cost_min must be a number >= 0, got {self.cost_min!r}")
+        if self.cost_max is not None and (not _is_number(self.cost_max) or not self.cost_max > self.cost_min):
+            raise ValueError(f"cost_max must be None (no upper clamp) or a number > cost_min, got {self.cost_max!r}")
+        if self.decider_loss_norm not in DECIDER_LOSS_NORMS:
+            raise ValueError(
+                f"decider_loss_norm must be one of {', '.join(DECIDER_LOSS_NORMS)}, got {self.decider_loss_norm!r}"
+            )
+        if not _is_number(self.bce_margin) or self.bce_margin < 0:
+            raise ValueError(f"bce_margin must be a number >= 0, got {self.bce_margin!r}")
 
 
 LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))
+
+#: Fields added in retrofit 0.2 whose default changed what the model computes, with the value an older
+#: checkpoint (whose stored ``loop`` dict lacks the field) was trained with: ``LoopConfig.from_dict``.
+LEGACY_VALUES: dict[str, Any] = {
+    "decider_arch": "ffn",
+    "dyn_pos_weight": False,
+    "cost_min": 0.0,
+    "cost_max": None,
+    "decider_loss_norm": "weights",
+}
 
 
 @dataclass
@@ -109,7 +154,16 @@ class LoopConfig:
         updater_hidden: Hidden width of the updater MLP; ``None`` = the model's hidden size. Lower
             it if the heads' parameter share matters (the report in ``retrofit.heads``).
         decider_hidden: Hidden width of the decider FFN; ``None`` = hidden size // 4.
-        decider_top_k: TaH2 decider input: how many top next-token probabilities it sees (§3).
+        decider_top_k: TaH2 decider input: how many top next-token probabilities it sees (§3; the
+            authors' release reads 2,048). ``0``: no probability features — the decider reads ``e`` and
+            ``h`` only, and with ``mixture_output=False`` inference then reads out the exit depth only
+            (no LM head or coda per depth: docs/tah2.md, "what a continue costs").
+        decider_arch: TaH2's decider: ``"swiglu"`` (the authors' release: each input part RMS-normed on
+            its own, an input projection, a SwiGLU MLP, an output norm and a bias-free score layer
+            drawn from N(0, ``decider_init_std``), so p ≈ 0.5 at the start) or ``"ffn"`` (retrofit < 0.2:
+            one RMSNorm over the concatenated input, ``fc2(SiLU(fc1(·)))``, score bias
+            ``deep_init_logit``). Checkpoints saved before the field existed load as ``"ffn"``.
+        decider_init_std: std of the ``"swiglu"`` decider's score layer at init (release: 0.01).
         exit_threshold: TaH2's ``τ_exit``: a token stops at the first depth whose continue
             probability is below it (§3: 0.5).
         halt_threshold: ANIRA-O inference: the token stops at the first depth where the cumulative
@@ -122,10 +176,12 @@ class LoopConfig:
         gumbel_tau: Temperature of ANIRA-E's straight-through Gumbel-softmax during training.
         fixed_graph: Always unroll all ``max_depth`` iterations, even when every token has exited.
             Needed under DeepSpeed ZeRO-3, whose trace cache thrashes on dynamic control flow.
-        deep_init_logit: Initial logit of the deciders' "continue" choice. Deciders start deep
-            (they continue at init) because shallow starts trap training (an ACT finding).
-        alpha_d, rho, decider_weighting, gamma, prior_base: the auxiliary losses' weights
-            (``LossConfig``); the model adds ``α_D · L_D`` (TaH2) or ``γ · L_C`` (ANIRA) to its loss.
+        deep_init_logit: Initial logit of the deciders' "continue" choice (ANIRA, and TaH2's ``"ffn"``
+            decider). Deciders start deep (they continue at init) because shallow starts trap training
+            (an ACT finding).
+        alpha_d, rho, decider_weighting, gamma, prior_base, dyn_pos_weight, pos_weight, cost_min, cost_max,
+            decider_loss_norm, bce_margin: the auxiliary losses' weights and switches (``LossConfig``); the
+            model adds ``α_D · L_D`` (TaH2) or ``γ · L_C`` (ANIRA) to its loss.
     """
 
     prelude: int = 0
@@ -135,7 +191,9 @@ class LoopConfig:
     attention: str | None = None
     updater_hidden: int | None = None
     decider_hidden: int | None = None
-    decider_top_k: int = 10
+    decider_top_k: int = 2048
+    decider_arch: str = "swiglu"
+    decider_init_std: float = 0.01
     exit_threshold: float = 0.5
     halt_threshold: float = 0.5
     mixture_output: bool = True
@@ -148,6 +206,12 @@ class LoopConfig:
     decider_weighting: str = "distance"
     gamma: float = 0.01
     prior_base: float = 2.0
+    dyn_pos_weight: bool = True
+    pos_weight: float = 1.0
+    cost_min: float = 1e-6
+    cost_max: float | None = 1.0
+    decider_loss_norm: str = "tokens"
+    bce_margin: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -175,8 +239,14 @@ class LoopConfig:
             v = getattr(self, name)
             if not _is_number(v) or not 0.0 < v < 1.0:
                 raise LoopConfigError(f"{name} must be a number strictly between 0 and 1, got {v!r}")
-        if not _is_int(self.decider_top_k) or self.decider_top_k < 1:
-            raise LoopConfigError(f"decider_top_k must be an integer >= 1, got {self.decider_top_k!r}")
+        if not _is_int(self.decider_top_k) or self.decider_top_k < 0:
+            raise LoopConfigError(
+                f"decider_top_k must be an integer >= 0 (0 = no probability features), got {self.decider_top_k!r}"
+            )
+        if self.decider_arch not in DECIDER_ARCHS:
+            raise LoopConfigError(f"decider_arch must be one of {', '.join(DECIDER_ARCHS)}, got {self.decider_arch!r}")
+        if not _is_number(self.decider_init_std) or not self.decider_init_std >= 0:
+            raise LoopConfigError(f"decider_init_std must be a number >= 0, got {self.decider_init_std!r}")
         for name in ("updater_hidden", "decider_hidden"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
@@ -227,11 +297,17 @@ class LoopConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LoopConfig":
+        """A ``LoopConfig`` from a stored dict (a checkpoint's ``config.loop``).
+
+        ``to_dict`` writes every field, so a field missing from ``d`` was written before it existed: it
+        takes the value of ``LEGACY_VALUES`` that reproduces what that older version computed (e.g. the
+        ``"ffn"`` decider), not the current default.
+        """
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise LoopConfigError(f"unknown LoopConfig fields {sorted(unknown)}; allowed: {sorted(known)}")
-        return cls(**d)
+        return cls(**{**{k: v for k, v in LEGACY_VALUES.items() if k not in d}, **d})
 
 
 def validate_depth(depth, batch: int, seq: int, max_depth: int):

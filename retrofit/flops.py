@@ -48,6 +48,10 @@ def model_costs(model) -> dict[str, int]:
     }
 
 
+#: how often each halting method's decider runs per token: after every decided depth, or once before the loop
+DECIDER_RUNS = {"tah2": "per_depth", "anira-o": "per_depth", "anira-e": "once"}
+
+
 def _per_token_flops(model, d: torch.Tensor, readout: bool, decider_runs: str) -> torch.Tensor:
     """FLOPs ``[n]`` of tokens with exit depths ``d`` ``[n]`` (float64)."""
     c = model_costs(model)
@@ -104,8 +108,7 @@ def cost_report(model, depths, mask=None, readout: bool | None = None, decider: 
     out["layers_adaptive_vs_base"] = fr["adaptive_vs_base"]
     if readout is None:
         readout = decider and model.halting.needs_depth_readout
-    runs = {"tah2": "per_depth", "anira-o": "per_depth", "anira-e": "once"}.get(model.halting.name, "none")
-    runs = runs if decider else "none"
+    runs = DECIDER_RUNS.get(model.halting.name, "none") if decider else "none"
     dv = d[m]
     flops = float(_per_token_flops(model, dv, readout, runs).sum())
     c = model_costs(model)
@@ -148,3 +151,56 @@ def generate_cost(
         d = cache.token_depths[:, : cache.length]
         return cost_report(model, d, d > 0, readout, decider)
     return cost_report(model, gen_output.depths, gen_output.depths > 0, readout, decider)
+
+
+def break_even_mean_depth(model) -> dict[str, Any]:
+    """The mean depth d̄ at which the adaptive model costs as much per token as the same loop at fixed depth.
+
+    The reference is ``cost_report``'s ``flops_fixed``: the same loop with every token at ``D`` and no
+    decider or per-depth readout (what the ``fixed`` control runs). The adaptive model pays for its
+    decider and, where the method reads out every depth (TaH2), an LM head per executed depth and the
+    coda at every depth, so it breaks even below ``D``: at ``d̄`` under the break-even it is cheaper.
+
+    Per token, FLOPs are piecewise linear in the exit depth ``d`` (``_per_token_flops``: linear in ``d``,
+    with a kink at ``D − 1`` where a per-depth decider stops running). This solves ``f(x) = flops_fixed``
+    on the linear interpolation of ``f`` between integer depths. The cost of a run with mean depth ``d̄``
+    is the mean of ``f`` over its tokens, which equals ``f(d̄)`` when ``D = 2`` (no kink inside
+    ``[1, 2]``) or when every token's depth lies in ``1 … D − 1``; otherwise ``f`` is concave so the mean
+    is at most ``f(d̄)``, and the run at this d̄ is no dearer than the fixed loop.
+
+    Args:
+        model: a ``LoopedForCausalLM`` whose method has a decider.
+
+    Returns:
+        ``{"mean_depth": x | None, "max_depth": D, "flops_fixed_per_token", "flops_at_depth": {d: f(d)},
+        "reason": str | None}``: ``mean_depth`` is None (with the reason) when even ``d̄ = 1`` costs
+        more than the fixed loop, and ``D`` when even ``d̄ = D`` costs no more.
+    """
+    D = model.loop.max_depth
+    c = model_costs(model)
+    fixed = 2.0 * (c["prelude"] + D * c["core"] + (D - 1) * c["updater"] + c["coda"] + c["head"])
+    readout = model.halting.needs_depth_readout
+    runs = DECIDER_RUNS.get(model.halting.name, "none")
+    f = _per_token_flops(model, torch.arange(1, D + 1), readout, runs).tolist()
+    out: dict[str, Any] = {
+        "mean_depth": None,
+        "max_depth": D,
+        "flops_fixed_per_token": fixed,
+        "flops_at_depth": {d: f[d - 1] for d in range(1, D + 1)},
+        "reason": None,
+    }
+    if f[0] > fixed:
+        out["reason"] = (
+            f"even every token at depth 1 costs more ({f[0]:.4g} FLOPs per token) than the loop at fixed depth "
+            f"{D} ({fixed:.4g}): the decider and per-depth readouts cost more than the core iterations they save"
+        )
+        return out
+    if f[-1] <= fixed:
+        out["mean_depth"] = float(D)
+        out["reason"] = f"even every token at depth {D} costs no more than the fixed loop"
+        return out
+    for d in range(1, D):  # f[d - 1] <= fixed < f[d]: the crossing lies in [d, d + 1]
+        if f[d - 1] <= fixed < f[d]:
+            out["mean_depth"] = d + (fixed - f[d - 1]) / (f[d] - f[d - 1])
+            break
+    return out

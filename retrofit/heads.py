@@ -10,13 +10,15 @@ and a rule aimed at a container module defined outside transformers would silent
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
-def tag_init(linear: nn.Linear, kind: str, bias: float | list[float] = 0.0) -> nn.Linear:
-    """Mark how ``_init_weights`` should initialize ``linear``: ``"normal"``, ``"zeros"`` or
-    ``"bias"`` (weight zero, bias = ``bias``, a scalar or one value per output)."""
-    linear._retrofit_init = (kind, bias)
+def tag_init(linear: nn.Linear, kind: str, bias: float | list[float] = 0.0, std: float | None = None) -> nn.Linear:
+    """Mark how ``_init_weights`` should initialize ``linear``: ``"normal"`` (std ``std``, default the
+    model's ``initializer_range``), ``"zeros"`` or ``"bias"`` (weight zero, bias = ``bias``, a scalar or
+    one value per output)."""
+    linear._retrofit_init = (kind, bias, std)
     return linear
 
 
@@ -24,9 +26,9 @@ def init_tagged(linear: nn.Linear, std: float) -> None:
     """Apply a ``tag_init`` rule with transformers' init helpers (they skip loaded weights)."""
     from transformers import initialization as init
 
-    kind, bias = linear._retrofit_init
+    kind, bias, own_std = linear._retrofit_init
     if kind == "normal":
-        init.normal_(linear.weight, mean=0.0, std=std)
+        init.normal_(linear.weight, mean=0.0, std=std if own_std is None else own_std)
     else:
         init.zeros_(linear.weight)
     if linear.bias is not None:
@@ -78,6 +80,44 @@ class DeciderFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class SwiGLUDecider(nn.Module):
+    """The TaH2 release's decider body (docs/tah2.md, "the decider")::
+
+        x     = W_in · [norm_1(x_1); …; norm_k(x_k)]          each input part RMS-normed on its own
+        score = w_s · norm_out(W_down · (SiLU(W_gate x) ⊙ W_up x))
+
+    Normalizing each part apart keeps a small part (the top-K probabilities, which sum to at most 1)
+    visible next to the hidden states; one norm over the concatenation would drown it. The score layer
+    has no bias and starts at N(0, ``init_std``): every decision starts near p = 0.5.
+
+    Args:
+        parts: the width of each input part, e.g. ``[H, H, K]`` for ``[e; h; top-K probs]``.
+        width: the projection and MLP width.
+        out_features: number of scores.
+        init_std: std of the score layer at init (the release: 0.01).
+        eps: RMSNorm epsilon.
+    """
+
+    def __init__(self, parts: list[int], width: int, out_features: int = 1, init_std: float = 0.01, eps: float = 1e-6):
+        super().__init__()
+        self.parts = list(parts)
+        self.norms = nn.ModuleList(nn.RMSNorm(n, eps=eps) for n in self.parts)
+        self.input_proj = tag_init(nn.Linear(sum(self.parts), width, bias=False), "normal")
+        self.gate_proj = tag_init(nn.Linear(width, width, bias=False), "normal")
+        self.up_proj = tag_init(nn.Linear(width, width, bias=False), "normal")
+        self.down_proj = tag_init(nn.Linear(width, width, bias=False), "normal")
+        self.norm_out = nn.RMSNorm(width, eps=eps)
+        self.score = tag_init(nn.Linear(width, out_features, bias=False), "normal", std=init_std)
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        """``xs``: one ``[..., parts[i]]`` tensor per part -> ``[..., out_features]`` scores (logits)."""
+        if len(xs) != len(self.parts):
+            raise ValueError(f"SwiGLUDecider takes {len(self.parts)} input parts, got {len(xs)}")
+        x = self.input_proj(torch.cat([n(x) for n, x in zip(self.norms, xs)], dim=-1))
+        x = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.score(self.norm_out(x))
 
 
 def parameter_report(model: nn.Module) -> dict:

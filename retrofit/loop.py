@@ -222,16 +222,22 @@ class ExitRule:
         raise NotImplementedError
 
 
+def decider_continue(planned: torch.Tensor | None, d: int, cont: torch.Tensor | None, act: torch.Tensor):
+    """The halting method's own answer after depth ``d`` ``[B, T]``: its planned depth (ANIRA-E), else its
+    step's answer, else go on."""
+    if planned is not None:
+        return planned > d
+    return cont if cont is not None else torch.ones_like(act)
+
+
 class DeciderExit(ExitRule):
-    """The halting method decides: its planned depth (ANIRA-E), else its step's answer, else go on."""
+    """The halting method decides (``decider_continue``)."""
 
     def start(self, n_tokens, planned):
         self.planned = planned
 
     def decide(self, d, cont, act, run, h_run, z_run):
-        if self.planned is not None:
-            return self.planned > d
-        return cont if cont is not None else torch.ones_like(act)
+        return decider_continue(self.planned, d, cont, act)
 
 
 class ForcedExit(ExitRule):
@@ -259,10 +265,13 @@ class PolicyExit(ExitRule):
 
     def start(self, n_tokens, planned):
         self.state = self.policy.init(n_tokens)
+        self.planned = planned
 
     def decide(self, d, cont, act, run, h_run, z_run):
         idx = run.idx if run.idx is not None else torch.arange(run.N, device=h_run.device)
         lp = z_run.float().log_softmax(-1) if self.needs_logits else None
+        if self.policy.defers_to_decider:  # its own answer for the running tokens, what DeciderExit would decide
+            self.state["decider_continue"] = run.select(decider_continue(self.planned, d, cont, act))
         stop = self.policy.check(d, h_run, lp, self.state, idx)
         return run.expand(~stop, True)
 
@@ -305,8 +314,10 @@ class LoopResult:
     active: torch.Tensor  # [D', B, T]
     depth_probs: torch.Tensor | None = None
     halt_signals: torch.Tensor | None = None
+    halt_logits: torch.Tensor | None = None
     depth_logits_q: torch.Tensor | None = None
     depth_nll: torch.Tensor | None = None
+    depth_ce_sum: torch.Tensor | None = None
     depth_logits: torch.Tensor | None = None
 
 
@@ -322,6 +333,9 @@ def run_depth_loop(
     backprop_depth: int | None = None,
     logits_to_keep=0,
     loss_rows: torch.Tensor | None = None,
+    decider_threshold: float | None = None,
+    depth_cap: int | None = None,
+    supervise_depths: bool = False,
 ) -> LoopResult:
     """Run the core ``1 … max_depth`` times on the core input ``e`` ``[B, T, H]``.
 
@@ -342,11 +356,18 @@ def run_depth_loop(
             runs on those positions only, and ``logits`` is ``[N, V]`` for them, in that order. Every
             other output is as without it. Full-sequence backend only; not with an exit rule that reads
             logits.
+        decider_threshold: this call's decision threshold for the method's decider (``HaltContext.threshold``).
+        depth_cap: no token runs deeper than this (a depth curriculum); the decider decides after depths
+            ``< depth_cap`` only, and tokens reaching the cap exit there with no lookahead beyond it.
+        supervise_depths: with ``shift_labels``, also return ``depth_ce_sum`` ``[D']``: each executed depth's
+            summed next-token cross-entropy *with* gradient (deep supervision; the caller forces every token
+            through every depth).
     """
     method, loop = model.halting, model.loop
     D = loop.max_depth
+    D_run = D if depth_cap is None else max(1, min(D, int(depth_cap)))
     B, T, H = e.shape
-    ctx = method.new_context(model.training)
+    ctx = method.new_context(model.training, decider_threshold)
     planned = method.plan(e, ctx) if rule.runs_decider else None
     rule.start(B * T, planned)
     combiner = method.combiner(ctx) if (rule.runs_decider and method.needs_depth_readout) else None
@@ -356,7 +377,10 @@ def run_depth_loop(
     sstate = schedule.init(B * T)
     if backprop_depth is not None and (not isinstance(backprop_depth, int) or backprop_depth < 1):
         raise ValueError(f"backprop_depth must be None or an int >= 1, got {backprop_depth!r}")
-    n_unroll = rule.last_depth or D
+    n_unroll = min(rule.last_depth or D, D_run)
+    if supervise_depths and shift_labels is None:
+        raise ValueError("supervise_depths needs shift_labels")
+    depth_ce: list[torch.Tensor] = []
     rows = loss_rows
     if rows is not None and (rule.needs_logits or not hasattr(backend, "readout_rows")):
         raise ValueError("loss_rows needs the full-sequence backend and no logit-reading exit")
@@ -371,7 +395,7 @@ def run_depth_loop(
     depth_nll = torch.full((B, T, D), float("nan"), device=e.device) if shift_labels is not None else None
     depth_logits = [] if output_depth_logits else None
     d_last = 0
-    for d in range(1, D + 1):
+    for d in range(1, D_run + 1):
         run = backend.begin_depth(d, active, lookahead)
         if run is None:  # no token runs this depth
             break
@@ -408,9 +432,12 @@ def run_depth_loop(
                     if rows is not None:  # unlabelled positions: 0, as masked above
                         nll = nll.new_zeros(B * T).index_copy(0, rows, nll).view(B, T)
                 depth_nll[..., d - 1] = torch.where(keep, nll, torch.full_like(nll, float("nan")))
+            if supervise_depths:  # deep supervision: this depth's own next-token loss, with gradient
+                target = pick(shift_labels).reshape(-1)
+                depth_ce.append(F.cross_entropy(z_loss.reshape(target.numel(), -1).float(), target, reduction="sum"))
 
         # decide who continues to depth d + 1
-        if d < D:
+        if d < D_run:
             cont = None
             if rule.runs_decider:
                 probs = None
@@ -426,10 +453,10 @@ def run_depth_loop(
         if combiner is not None:
             signal = ctx.signals[d - 1] if d <= len(ctx.signals) else None
             combiner.add(d, z_loss, logp, pick(act), pick(stop), pick(signal) if signal is not None else None)
-        if d < D:
+        if d < D_run:
             active.append(nxt)
         act = nxt
-        more = d < D and (bool(nxt.any()) or (lookahead and bool(stop.any())) or loop.fixed_graph)
+        more = d < D_run and (bool(nxt.any()) or (lookahead and bool(stop.any())) or loop.fixed_graph)
         if not more:
             break
 
@@ -464,8 +491,10 @@ def run_depth_loop(
         active=active_t,
         depth_probs=depth_probs,
         halt_signals=torch.stack(ctx.signals, -1) if ctx.signals else None,
+        halt_logits=torch.stack(ctx.extra["halt_logits"], -1) if ctx.extra.get("halt_logits") else None,
         depth_logits_q=ctx.extra.get("q_logits"),
         depth_nll=depth_nll,
+        depth_ce_sum=torch.stack(depth_ce) if depth_ce else None,
         depth_logits=torch.stack(depth_logits) if depth_logits else None,
     )
 

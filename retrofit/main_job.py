@@ -4,8 +4,11 @@ untrained base, side by side on the held-out test rows.
 ``main_job_report`` evaluates every model on the same test rows of every level (``retrofit.evaluation``:
 greedy exact match, Wilson intervals, d̄ and compute per answer token, exact McNemar and a paired bootstrap of
 the looped model against each other model, per-example depth vs level and per-token depth vs the SFT
-control's loss), exports the looped checkpoint, and writes ``summary.json``: every figure README's results
-table quotes, plus the three claims the main job tests (``targets``) with whether this run met them.
+control's loss), measures the accuracy–compute frontier (issue 24, ``retrofit.evaluation.frontier``: the
+decider's threshold sweep, random allocation at the same d̄, every forced depth, the controls and the base;
+the decider's realized gain per decile of its continue probability; the break-even d̄; the fixed-depth
+control comparison), exports the looped checkpoint, and writes ``summary.json``: every figure README's
+results table quotes, plus the claims the main job tests (``targets``) with whether this run met them.
 
 Test rows come from ``data_prep.tasks.build_splits`` with the run's seed: instances never seen in training,
 disjoint from the validation split that settings are chosen on (``--n_valid``; the sweep in
@@ -22,14 +25,32 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: The main job's claims (issue 15): each is checked on the run's own test rows and reported as met or not.
+#: The frontier's size in the main job (``EvalOptions``): its passes run on the first
+#: ``FRONTIER_ROWS_PER_LEVEL`` test rows of each level. Cost (TaH2, own τ = 0.5 inside the sweep):
+#: 4 threshold passes + 5 × ``FRONTIER_RANDOM_DRAWS`` random passes (fewer where a threshold sends every answer
+#: step to depth 1) + 1 gain pass, each ~0.12 s per row on 2 CPU cores (one adaptive pass over 400 rows ~50 s).
+FRONTIER_ROWS_PER_LEVEL = 25
+FRONTIER_THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
+FRONTIER_RANDOM_DRAWS = 3
+
+#: The main job's claims (issues 15 and 24): each is checked on the run's own test rows and reported as met or not.
 TARGETS = {
     "control_learns": "the SFT control reaches >= 40% mean accuracy over the training levels",
     "looped_beats_control": "the looped model beats the SFT control on mean accuracy over all test rows, "
     "exact McNemar p < 0.05",
     "depth_follows_difficulty": "Spearman(per-example d̄, level) >= 0.3 or Spearman(per-token depth, SFT control's "
     "token loss) >= 0.3",
+    "adaptive_not_worse_than_fixed": "the adaptive model (own threshold) is not worse than the fixed-depth control "
+    "on all test rows (bootstrap 95% lower bound of adaptive − fixed > −3 points) at <= 0.85x its FLOPs per answer "
+    "token (needs --control fixed)",
+    "decider_beats_random": "the decider (own threshold) beats random allocation of the answer steps at the same d̄ "
+    "on the same frontier rows: difference > 0, exact sign-flip p < 0.05",
+    "gain_rises_with_continue_probability": "the realized gain of one more iteration rises with the decider's "
+    "continue probability: Spearman(decile, mean gain) over the 10 deciles >= 0.8",
+    "anira_depth_follows_level": "ANIRA: Spearman(per-example d̄, level) >= 0.3",
 }
+#: the ANIRA-only target
+ANIRA_METHODS = ("anira-e", "anira-o")
 
 
 def test_rows(script, splits) -> tuple[list[dict], list[int]]:
@@ -108,6 +129,21 @@ def summarize(results: dict, task: str, train_levels: list[int], models: list[st
         }
         for m in models
     }
+    # the accuracy-compute frontier (issue 24): every model and policy on the same frontier rows, the decider
+    # against random allocation at the same d̄, its realized gain per decile, the break-even d̄, the fixed control
+    out["looped_method"] = looped.get("method")
+    fr = (results.get("frontier") or {}).get(task) or {}
+    lf = looped.get("frontier") or {}
+    out["frontier_rows"] = fr.get("rows")
+    out["frontier"] = fr.get("points")
+    out["decider_vs_random"] = lf.get("decider_vs_random")
+    out["gain_by_decile"] = lf.get("gain_by_decile")
+    out["break_even_mean_depth"] = lf.get("break_even_mean_depth")
+    out["fixed_control"] = fr.get("fixed_control")
+    # what the frontier cost in this run (teacher-forced passes over the frontier rows, seconds), per model
+    out["frontier_cost"] = {
+        m: {k: tasks[m]["frontier"].get(k) for k in ("passes", "wall_s")} for m in models if tasks[m].get("frontier")
+    }
     return out
 
 
@@ -134,6 +170,44 @@ def check_targets(summary: dict) -> dict[str, dict]:
         "spearman_token_depth_vs_control_loss": r2v,
         "met": any(v is not None and v == v and v >= 0.3 for v in (r1v, r2v)),
     }
+    fc = summary.get("fixed_control")
+    out["adaptive_not_worse_than_fixed"] = (
+        {
+            "difference": fc["difference"],
+            "lower_bound": fc["lower_bound"],
+            "mcnemar_p": fc["mcnemar_p"],
+            "flops_ratio": fc["flops_ratio"],
+            "frontier_points_meeting": fc.get("frontier_points_meeting", []),
+            "met": bool(fc["meets"]),
+        }
+        if fc
+        else {"met": False, "reason": "no fixed-depth control in this run (--control sft,fixed)"}
+    )
+    own = (summary.get("decider_vs_random") or {}).get("own")
+    out["decider_beats_random"] = (
+        {
+            "difference": own["difference"],
+            "sign_flip_p": own["sign_flip_p"],
+            "mean_depth": own["decider_mean_depth"],
+            "random_mean_depth": own["random_mean_depth"],
+            "draws": own["draws"],
+            "met": bool(own["difference"] > 0 and own["sign_flip_p"] < 0.05),
+        }
+        if own
+        else {"met": False, "reason": "no decider-vs-random test (no frontier, or no random draws)"}
+    )
+    g = summary.get("gain_by_decile")
+    rho = g.get("spearman") if g else None
+    out["gain_rises_with_continue_probability"] = (
+        {"spearman": rho, "n_decisions": g["n_decisions"], "met": rho is not None and rho == rho and rho >= 0.8}
+        if g
+        else {"met": False, "reason": "no gain table (no frontier)"}
+    )
+    if summary.get("looped_method") in ANIRA_METHODS:
+        out["anira_depth_follows_level"] = {
+            "spearman_example_depth_vs_level": r1v,
+            "met": r1v is not None and r1v == r1v and r1v >= 0.3,
+        }
     for k, v in out.items():
         v["claim"] = TARGETS[k]
     return out
@@ -171,6 +245,10 @@ def main_job_report(
         policy_generation=False,
         difficulty_reference="sft" if "sft" in controls else None,
         html_samples=2,
+        frontier=True,  # issue 24: every model and policy on one accuracy-vs-FLOPs plane (FRONTIER_* above)
+        frontier_thresholds=FRONTIER_THRESHOLDS,
+        frontier_random_draws=FRONTIER_RANDOM_DRAWS,
+        frontier_rows_per_level=FRONTIER_ROWS_PER_LEVEL,
     )
     t_eval = time.time()
     results = evaluate(
@@ -247,4 +325,64 @@ def _print_summary(summary: dict) -> None:
                 if isinstance(t, dict) and "difference" in t
             )
         )
+    lines += _frontier_lines(summary)
     print("\n".join(lines))
+
+
+def _frontier_lines(summary: dict) -> list[str]:
+    """The frontier table, the decider-vs-random tests, the gain-per-decile table, the break-even d̄."""
+    points = summary.get("frontier") or []
+    if not points:
+        return []
+
+    def num(v, fmt):
+        return "–" if v is None or v != v else format(v, fmt)
+
+    def pct(v):
+        return num(None if v is None else 100 * v, ".1f")
+
+    lines = [
+        f"  accuracy-compute frontier ({summary.get('frontier_rows')} rows):",
+        f"    {'model':<8} {'policy':<14} {'thr':>5} {'d̄':>5} {'MFLOPs/tok':>10}  accuracy [95% CI]",
+    ]
+    for p in points:
+        lo, hi = p.get("accuracy_ci") or [None, None]
+        policy = p["policy"] + (" (own)" if p.get("own") else "") + (f" d={p['depth']}" if "depth" in p else "")
+        thr, d_bar, mflops = num(p.get("threshold"), ".2f"), num(p.get("mean_depth"), ".2f"), p["flops_per_token"] / 1e6
+        lines.append(
+            f"    {p['model']:<8} {policy:<14} {thr:>5} {d_bar:>5} {mflops:>10.1f}  {pct(p['accuracy']):>5}% "
+            f"[{pct(lo)}–{pct(hi)}]"
+        )
+    for k, t in (summary.get("decider_vs_random") or {}).items():
+        lo, hi = t["bootstrap"]["ci"]
+        lines.append(
+            f"  decider vs random at the same d̄, threshold {k}: d̄ {t['decider_mean_depth']:.3f} vs "
+            f"{num(t['random_mean_depth'], '.3f')} (rate {t['random_rate']:.3f}, {t['draws']} draws), "
+            f"{100 * t['difference']:+.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}], "
+            f"sign-flip p={t['sign_flip_p']:.3g}, McNemar per draw "
+            + ", ".join(f"{d['mcnemar_p']:.3g}" for d in t["per_draw"])
+        )
+    g = summary.get("gain_by_decile")
+    if g and g.get("bins"):
+        lines.append(
+            f"  realized gain per decile of the continue probability ({g['n_decisions']} decisions, "
+            f"Spearman {num(g.get('spearman'), '.3f')}):"
+        )
+        for b in g["bins"]:
+            lines.append(
+                f"    decile {b['bin']:>2}: n {b['n']:>5}, mean p {b['prob_mean']:.3f}, mean gain {b['gain_mean']:+.4f}"
+            )
+    be = summary.get("break_even_mean_depth")
+    if be:
+        x = be.get("mean_depth")
+        lines.append(
+            f"  break-even d̄ (FLOPs of the fixed depth-{be['max_depth']} loop): "
+            + (f"{x:.3f}" if x is not None else f"none ({be.get('reason')})")
+        )
+    fc = summary.get("fixed_control")
+    if fc:
+        lines.append(
+            f"  adaptive vs fixed control: {100 * fc['difference']:+.1f} points [{100 * fc['ci'][0]:+.1f}, "
+            f"{100 * fc['ci'][1]:+.1f}], McNemar p={fc['mcnemar_p']:.3g}, FLOPs ratio {fc['flops_ratio']:.3f}"
+        )
+    return lines

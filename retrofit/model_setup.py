@@ -80,6 +80,21 @@ def zero3_enabled(args=None) -> bool:
     )
 
 
+def deepspeed_enabled(args=None) -> bool:
+    """DeepSpeed (any ZeRO stage) is configured, by ``TrainingArguments.deepspeed`` or ``accelerate launch``.
+
+    The recipes then unroll every depth (``LoopConfig.fixed_graph``): ZeRO reduces gradients in buckets as
+    parameters become ready, so every rank must use the same parameters in every step — with adaptive depth
+    one rank whose tokens all exit at depth 1 would leave the updater unused and desynchronize the
+    reductions (ZeRO-2), or thrash the parameter prefetch trace (ZeRO-3).
+    """
+    if zero3_enabled(args):
+        return True
+    if args is not None and getattr(args, "deepspeed", None):
+        return True
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+
+
 def build_looped_model(spec: str, loop: LoopConfig, dtype=None, attn_implementation: str | None = None):
     """Load ``spec`` (``retrofit.loading.load_model``) and retrofit it with ``loop``.
 

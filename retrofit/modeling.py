@@ -273,6 +273,9 @@ class LoopedForCausalLM(PreTrainedModel):
         step_schedule=None,
         output_router_logits: bool | None = None,
         labelled_logits_only: bool = False,
+        decider_threshold: float | None = None,
+        depth_cap: int | None = None,
+        depth_supervision: bool = False,
         **kwargs,
     ) -> LoopedCausalLMOutput:
         """Run the looped model on a full sequence, or decode incrementally with a cache.
@@ -320,6 +323,16 @@ class LoopedForCausalLM(PreTrainedModel):
                 forward. Saves time and memory when prompts are not trained on (completion-only SFT):
                 ``RetrofitSFTTrainer`` uses it for training steps. Not with a cache,
                 ``output_depth_logits``, ``logits_to_keep`` or a logit-reading exit (``"kl"``).
+            decider_threshold: this call's threshold for the method's own decider, replacing the
+                ``LoopConfig``'s: TaH2's τ_exit (continue iff ``c >= τ``), ANIRA-O's cumulative halting mass
+                ``u`` (inference), ANIRA-E's allocation quantile (inference: the first depth whose
+                cumulative ``q`` reaches it, instead of the argmax). The accuracy-compute frontier sweeps it;
+                TaH2's threshold warm-up ramps it in training.
+            depth_cap: no token runs deeper than this (``1 … max_depth``): the release's depth curriculum.
+            depth_supervision: with labels, deep supervision: every token runs every depth (up to
+                ``depth_cap``), no decider runs, and ``loss`` is the mean over depths of each depth's own
+                next-token loss (``depth_ce``), so every depth's readout gets gradient — the "train every
+                depth before the decider decides" phase of ``RetrofitSFTConfig.depth_warmup_steps``.
 
         Returns:
             ``LoopedCausalLMOutput``.
@@ -334,6 +347,16 @@ class LoopedForCausalLM(PreTrainedModel):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = x.shape
+        if depth_cap is not None and not (isinstance(depth_cap, int) and 1 <= depth_cap <= self.loop.max_depth):
+            raise ValueError(f"depth_cap must be None or an int in 1..{self.loop.max_depth}, got {depth_cap!r}")
+        if decider_threshold is not None and not 0.0 <= float(decider_threshold) <= 1.0:
+            raise ValueError(f"decider_threshold must lie in [0, 1], got {decider_threshold!r}")
+        if depth_supervision:
+            if labels is None or cached:
+                raise ValueError("depth_supervision needs labels and the full-sequence forward (no cache)")
+            if depth is not None or exit_policy is not None:
+                raise ValueError("depth_supervision runs every token through every depth; drop depth= / exit_policy=")
+            depth = depth_cap or self.loop.max_depth
         depth, policy = resolve_exit_policy(exit_policy, exit_threshold, depth)
         rule = exit_rule_for(forced_depths(depth, B, T, x.device, self.loop.max_depth), policy)
         schedule = build_step_schedule(step_schedule)
@@ -363,7 +386,9 @@ class LoopedForCausalLM(PreTrainedModel):
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", True)
         want_aux = labels is not None and bool(output_router_logits)
-        depth_losses = labels is not None and (output_depth_losses or (want_aux and self.halting.needs_depth_losses))
+        depth_losses = labels is not None and (
+            output_depth_losses or depth_supervision or (want_aux and self.halting.needs_depth_losses)
+        )
 
         if cached:
             readout = (
@@ -383,6 +408,9 @@ class LoopedForCausalLM(PreTrainedModel):
             backprop_depth=backprop_depth,
             logits_to_keep=logits_to_keep,
             loss_rows=loss_rows,
+            decider_threshold=decider_threshold,
+            depth_cap=depth_cap,
+            supervise_depths=depth_supervision,
         )
         logits, depth_logits = res.logits, res.depth_logits
         if kept is not None:  # [B * K, V] in row-major order -> [B, K, V], as HF returns kept logits
@@ -394,6 +422,7 @@ class LoopedForCausalLM(PreTrainedModel):
             depths=res.depths,
             depth_probs=res.depth_probs,
             halt_signals=res.halt_signals,
+            halt_logits=res.halt_logits,
             depth_logits_q=res.depth_logits_q,
             depth_nll=res.depth_nll,
             depth_logits=depth_logits,
@@ -417,6 +446,11 @@ class LoopedForCausalLM(PreTrainedModel):
                     loss_kwargs.get("num_items_in_batch"),
                     loss_kwargs.get("ignore_index", -100),
                 )
+            if depth_supervision:  # the mean of every depth's own loss, each reduced as `loss` is
+                n_items = loss_kwargs.get("num_items_in_batch")
+                denom = n_items if n_items is not None else (shift != -100).sum().clamp_min(1)
+                out.depth_ce = res.depth_ce_sum / torch.as_tensor(denom, device=res.depth_ce_sum.device)
+                out.loss = out.depth_ce.mean()
             aux = None
             if want_aux and not _halting_signals_finite(out):
                 # diverged decider weights: TaH2's BCE raises on NaN input, so no op runs on them; a NaN
@@ -463,7 +497,7 @@ def _kept_positions(logits_to_keep, T: int, device) -> torch.Tensor | None:
 
 def _halting_signals_finite(out: LoopedCausalLMOutput) -> bool:
     """The decider's outputs (``halt_signals``, ``depth_logits_q``) hold no NaN/inf (True when absent)."""
-    for t in (out.halt_signals, out.depth_logits_q):
+    for t in (out.halt_signals, out.halt_logits, out.depth_logits_q):
         if t is not None and t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
             return False
     return True

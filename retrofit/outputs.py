@@ -27,7 +27,11 @@ class LoopedCausalLMOutput(ModelOutput):
             ANIRA: q); None for ``fixed`` and under a forced depth (no decider runs).
         halt_signals: ``[B, T, k]`` per-depth decider outputs (TaH2: continue probabilities
             ``c^(1..k)``; ANIRA-O: halting probabilities ``α``); None otherwise.
+        halt_logits: ``[B, T, k]`` the logits behind ``halt_signals`` when the method keeps them (TaH2: the
+            continue logits, ``halt_signals = σ(halt_logits)``; its BCE reads them); else None.
         depth_logits_q: ``[B, T, D]`` ANIRA-E's raw depth logits (its q before softmax); else None.
+        depth_ce: ``[D']`` with ``depth_supervision=True``: each executed depth's next-token loss (the same
+            reduction as ``loss``), with gradient; ``loss`` is their mean.
         depth_nll: ``[B, T, D]`` next-token loss at each depth (position t predicts label t+1;
             TaH2's lookahead depth ``d*+1`` included); NaN where not computed. Present when the
             auxiliary loss needs it (TaH2 with labels) or ``output_depth_losses=True``.
@@ -48,8 +52,10 @@ class LoopedCausalLMOutput(ModelOutput):
     depths: torch.Tensor | None = None
     depth_probs: torch.Tensor | None = None
     halt_signals: torch.Tensor | None = None
+    halt_logits: torch.Tensor | None = None
     depth_logits_q: torch.Tensor | None = None
     depth_nll: torch.Tensor | None = None
+    depth_ce: torch.Tensor | None = None
     depth_logits: torch.Tensor | None = None
     active: torch.Tensor | None = None
     cache: object | None = None

@@ -79,7 +79,21 @@ class LoopArgs:
     exit_threshold: float = field(
         default=0.5, metadata={"help": "tah2: τ_exit, stop at the first depth whose continue prob < τ."}
     )
-    decider_top_k: int = field(default=10, metadata={"help": "tah2: top-K next-token probabilities the decider reads."})
+    decider_top_k: int = field(
+        default=2048,
+        metadata={"help": "tah2: top-K next-token probabilities the decider reads (the release: 2048; 0 = none)."},
+    )
+    decider_arch: str = field(
+        default="swiglu",
+        metadata={
+            "help": "tah2: the decider's body: 'swiglu' (the authors' release: per-part norms, SwiGLU MLP, bias-free "
+            "score at N(0, 0.01)) or 'ffn' (retrofit < 0.2, starts at deep_init_logit).",
+            "choices": ["swiglu", "ffn"],
+        },
+    )
+    decider_init_std: float = field(
+        default=0.01, metadata={"help": "tah2 'swiglu' decider: std of the score layer at init (release: 0.01)."}
+    )
     train_decisions: str = field(
         default="threshold", metadata={"help": "tah2: 'threshold' (on-policy) or 'sample' (ablation)."}
     )
@@ -136,6 +150,8 @@ class LoopArgs:
             attention=self.attention,
             exit_threshold=self.exit_threshold,
             decider_top_k=self.decider_top_k,
+            decider_arch=self.decider_arch,
+            decider_init_std=self.decider_init_std,
             train_decisions=self.train_decisions,
             mixture_output=self.mixture_output,
             halt_threshold=self.halt_threshold,
@@ -404,7 +420,7 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
     from transformers import set_seed
 
     from .convert import base_model_of
-    from .model_setup import build_looped_model, zero3_enabled
+    from .model_setup import build_looped_model, deepspeed_enabled, zero3_enabled
     from .training import NonFiniteLossError
 
     script, targs, largs = parse_recipe_args(spec, argv)
@@ -417,9 +433,10 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
         )
     set_seed(targs.seed)
 
-    # 1. The looped model. Under ZeRO-3 the loop always unrolls max_depth iterations: DeepSpeed's
-    #    parameter prefetch traces the module order, and a data-dependent depth thrashes it.
-    loop = largs.loop_config(fixed_graph=zero3_enabled(targs))
+    # 1. The looped model. Under DeepSpeed the loop always unrolls max_depth iterations: ZeRO-3's parameter
+    #    prefetch traces the module order, and ZeRO-2 reduces gradients in buckets that every rank must fill
+    #    alike; a data-dependent depth breaks both (model_setup.deepspeed_enabled).
+    loop = largs.loop_config(fixed_graph=deepspeed_enabled(targs))
     model, tokenizer = build_looped_model(largs.model, loop, dtype=getattr(torch, largs.dtype))
     pristine = None
     if controls or script.report:

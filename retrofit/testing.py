@@ -78,3 +78,45 @@ def tiny_base(family: str = "llama", seed: int = 0, attn_implementation: str = "
         torch.manual_seed(seed)
         model = (LlamaForCausalLM if family == "llama" else Qwen3ForCausalLM)(cfg)
     return model.eval()
+
+
+def decider_score_layer(model) -> torch.nn.Linear:
+    """The output (score) layer of a looped model's TaH2 decider: ``score`` of the ``"swiglu"`` decider,
+    ``fc2`` of the ``"ffn"`` one. Tests and benchmarks redraw it to get a mix of exit depths."""
+    from .heads import SwiGLUDecider
+
+    decider = model.halting.decider
+    return decider.score if isinstance(decider, SwiGLUDecider) else decider.fc2
+
+
+@torch.no_grad()
+def spread_decider(model, std: float | None = None, logit_std: float | None = None, generator=None) -> None:
+    """Redraw the TaH2 decider's score layer so its decisions are mixed: weights ~ N(0, ``std``²), or with
+    ``logit_std`` a std chosen so that the continue logits spread about that much
+    (``logit_std / sqrt(fan_in)``); the bias (if any) is zeroed. A ``"swiglu"`` decider's inner layers are
+    redrawn at unit gain too (``1 / sqrt(fan_in)``)."""
+    from .heads import SwiGLUDecider
+
+    decider = model.halting.decider
+    if isinstance(decider, SwiGLUDecider):
+        # at init its inner layers are small (std 0.02), so after norm_out every token points the same way:
+        # redraw them at unit gain so the scores differ from token to token
+        # (the input projection at equal gain per part, so a wide part such as 2,048 top-K probabilities of a
+        # tiny vocabulary does not drown the hidden states)
+        cols = [
+            torch.randn(decider.input_proj.out_features, n, generator=generator) / (n * len(decider.parts)) ** 0.5
+            for n in decider.parts
+        ]
+        decider.input_proj.weight.copy_(torch.cat(cols, dim=1).to(decider.input_proj.weight))
+        for norm in (*decider.norms, decider.norm_out):
+            norm.weight.fill_(1.0)
+        for lin in (decider.gate_proj, decider.up_proj, decider.down_proj):
+            w = torch.randn(lin.weight.shape, generator=generator) / lin.in_features**0.5
+            lin.weight.copy_(w.to(lin.weight))
+    layer = decider_score_layer(model)
+    if logit_std is not None:
+        std = logit_std / layer.in_features**0.5
+    w = torch.randn(layer.weight.shape, generator=generator) * (1.0 if std is None else std)
+    layer.weight.copy_(w.to(layer.weight))
+    if layer.bias is not None:
+        layer.bias.zero_()

@@ -117,6 +117,53 @@ class RetrofitSFTConfig(SFTConfig):
     prior_base: float | None = field(
         default=None, metadata={"help": "ANIRA: base b of the depth prior p(d) ∝ b^(-d) [2]; 1 = entropy term only."}
     )
+    dyn_pos_weight: bool | None = field(
+        default=None,
+        metadata={
+            "help": "TaH2: BCE pos_weight = the batch's negative/positive label ratio per depth, clamped to "
+            "[0.02, 50] (the authors' release) [true]; false = the static --pos_weight."
+        },
+    )
+    pos_weight: float | None = field(
+        default=None, metadata={"help": "TaH2: static BCE pos_weight when --dyn_pos_weight false [1]."}
+    )
+    cost_min: float | None = field(
+        default=None, metadata={"help": "TaH2: lower clamp of the cost-sensitive weights |δ - κ| [1e-6]."}
+    )
+    cost_max: float | None = field(
+        default=None, metadata={"help": "TaH2: upper clamp of the cost-sensitive weights [1]; inf = unbounded."}
+    )
+    decider_loss_norm: str | None = field(
+        default=None,
+        metadata={
+            "help": "TaH2: L_D = Σ w·BCE / labelled tokens ('tokens', the release) [default] or / Σ w ('weights')."
+        },
+    )
+    bce_margin: float | None = field(
+        default=None, metadata={"help": "TaH2: BCE margin m in logit space (the release's bce_margin) [0]."}
+    )
+    depth_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Train every depth before the decider decides: the first N optimizer steps run every token "
+            "through every depth with the mean of the per-depth next-token losses (deep supervision) and no "
+            "decider; the method's own training starts at step N. 0 = off (the methods as published)."
+        },
+    )
+    threshold_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "TaH2: for the first N steps of its phase the training threshold ramps linearly from 0 to "
+            "τ_exit, so nearly every token continues early on (the release's base_warmup_steps). 0 = off."
+        },
+    )
+    depth_schedule: str | None = field(
+        default=None,
+        metadata={
+            "help": "Depth curriculum (the release's max_iter_schedule): 'STEP:DEPTH,...', e.g. '0:1,100:2'; from "
+            "each STEP on, no token runs deeper than DEPTH (the last entry whose STEP has been reached wins)."
+        },
+    )
     random_depth: bool = field(
         default=False,
         metadata={"help": "fixed: draw one depth per micro-batch from Huginn's Poisson-lognormal (clipped to 1..D)."},
@@ -167,7 +214,12 @@ class RetrofitSFTConfig(SFTConfig):
             raise ValueError(f"random_depth_sigma must be >= 0, got {self.random_depth_sigma!r}")
         if self.random_depth_mean is not None and self.random_depth_mean < 1:
             raise ValueError(f"random_depth_mean must be >= 1 (a depth), got {self.random_depth_mean!r}")
-        _ = self.loss_config  # validates alpha_d, rho, decider_weighting, gamma, prior_base
+        for name in ("depth_warmup_steps", "threshold_warmup_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        self.depth_schedule_steps  # noqa: B018  (validates depth_schedule)
+        _ = self.loss_config  # validates the loss weights and switches
         super().__post_init__()
 
     @property
@@ -179,6 +231,34 @@ class RetrofitSFTConfig(SFTConfig):
     def loss_config(self) -> LossConfig:
         """The overrides on top of the default weights (the model's own may differ where none is set)."""
         return LossConfig(**self.loss_overrides)
+
+    @property
+    def depth_schedule_steps(self) -> list[tuple[int, int]]:
+        """``depth_schedule`` parsed: ``[(step, max depth), ...]`` sorted by step (empty when unset)."""
+        if not self.depth_schedule:
+            return []
+        out = []
+        for part in str(self.depth_schedule).split(","):
+            try:
+                a, b = part.split(":")
+                step, depth = int(a), int(b)
+            except ValueError:
+                raise ValueError(
+                    "depth_schedule must be 'STEP:DEPTH,...' with integers (e.g. '0:1,100:2'), "
+                    f"got {self.depth_schedule!r}"
+                ) from None
+            if step < 0 or depth < 1:
+                raise ValueError(f"depth_schedule needs STEP >= 0 and DEPTH >= 1, got {part!r}")
+            out.append((step, depth))
+        return sorted(out)
+
+    def depth_cap_at(self, step: int) -> int | None:
+        """The curriculum's depth cap after ``step`` optimizer steps (None: no cap)."""
+        cap = None
+        for s, d in self.depth_schedule_steps:
+            if s <= step:
+                cap = d
+        return cap
 
 
 def _unwrap_looped(model) -> LoopedForCausalLM:
@@ -305,7 +385,7 @@ class RetrofitSFTTrainer(SFTTrainer):
         if mode == "train":
             # the loss path's vocabulary-wide work only where a label is: the same loss and gradients
             fwd["labelled_logits_only"] = True
-            fwd.update(method.train_forward_kwargs(self.args))
+            fwd.update(self._schedule_kwargs(method))
             if self.args.truncate_backprop is not None:
                 fwd["backprop_depth"] = self.args.truncate_backprop
         outputs = model(**fwd)
@@ -335,6 +415,26 @@ class RetrofitSFTTrainer(SFTTrainer):
             self._check_finite(loss, ntp, aux)
         self._record_metrics(mode, outputs, labels, attention_mask, aux, num_items_in_batch, ntp)
         return (loss, outputs) if return_outputs else loss
+
+    def _schedule_kwargs(self, method) -> dict:
+        """The forward switches of this optimizer step (all read ``state.global_step``, so a resumed run is in
+        the same phase as the uninterrupted one):
+
+        - ``depth_warmup_steps``: before it, deep supervision (``depth_supervision=True``: every depth's own
+          loss, no decider); from it on, the method's own training, with its step counted from the switch
+          (TaH2's threshold warm-up ramps from there);
+        - ``depth_schedule``: the curriculum's ``depth_cap``.
+        """
+        step = self.state.global_step
+        warm = self.args.depth_warmup_steps
+        kw = {"depth_supervision": True} if step < warm else dict(method.train_forward_kwargs(self.args, step - warm))
+        cap = self.args.depth_cap_at(step)
+        if cap is not None and cap < self._looped.loop.max_depth:
+            if "depth" in kw:  # a random depth of `fixed` obeys the curriculum too
+                kw["depth"] = min(kw["depth"], cap)
+            else:
+                kw["depth_cap"] = cap
+        return kw
 
     def _check_finite(self, loss, ntp=None, aux=None, outputs=None) -> None:
         """Stop training when the loss (or the halting signals) is NaN/inf, on every process together.
@@ -500,14 +600,21 @@ class RetrofitSFTTrainer(SFTTrainer):
         n_ans = ans.sum().float()
         # the next-token loss is this micro-batch's NLL sum over num_items_in_batch (or its own count)
         ntp_sum = ntp.detach().float() * (num_items_in_batch if num_items_in_batch is not None else n_ans.clamp_min(1))
-        aux_names = sorted(aux.metrics) if aux is not None else []
-        aux_vals = [aux.metrics[k].float().reshape(()) for k in aux_names]
+        # scalars averaged over processes: the method's (with its weighted loss) and, under deep supervision
+        # (the depth warm-up), each depth's own loss
+        names, vals = [], []
+        if aux is not None:
+            names = ["aux_loss", *sorted(aux.metrics)]
+            vals = [aux.loss.detach().float().reshape(())] + [aux.metrics[k].float().reshape(()) for k in names[1:]]
+        if outputs.depth_ce is not None:
+            names += [f"depth_loss_{d + 1}" for d in range(outputs.depth_ce.numel())]
+            vals += [v.detach().float().reshape(()) for v in outputs.depth_ce]
         dev = counts.device
         local = torch.cat(
             [
                 counts,
                 torch.stack([(depths * ans).sum().float(), n_ans, correct, ntp_sum.to(dev)]),
-                torch.stack([aux.loss.detach().float()] + aux_vals).to(dev) if aux is not None else counts.new_zeros(0),
+                torch.stack(vals).to(dev) if vals else counts.new_zeros(0),
             ]
         )
         n_proc = self.accelerator.num_processes
@@ -523,11 +630,8 @@ class RetrofitSFTTrainer(SFTTrainer):
         m["mean_token_accuracy"].append(correct_t / max(n_ans_t, 1.0))
         for k in range(D):
             m[f"depth_frac_{k + 1}"].append((counts_t[k] / n_tok).item())
-        if aux is not None:
-            rest = (total[D + 4 :] / n_proc).tolist()
-            m["aux_loss"].append(rest[0])
-            for name, v in zip(aux_names, rest[1:]):
-                m[name].append(v)
+        for name, v in zip(names, (total[D + 4 :] / n_proc).tolist()):
+            m[name].append(v)
         if mode == "train":
             self._total_train_tokens += int(n_tok.item()) // self._tp_size
             m["num_tokens"] = [self._total_train_tokens]

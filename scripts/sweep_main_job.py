@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import set_seed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +60,21 @@ class Cfg:
     attention: str | None = None
     deep_init_logit: float = 1.0
     updater_base: str = "input"  # "state": x_{d+1} = h_d + U(e, h_d)
-    depth_warmup: int = 0  # first N steps run at forced max depth (decider still learns its labels)
+    depth_warmup: int = 0  # (the 2026-12-01 rows) first N steps at forced max depth, the decider learning its labels
+    depth_warmup_steps: int = 0  # RetrofitSFTConfig.depth_warmup_steps: deep supervision, no decider, first N steps
+    threshold_warmup_steps: int = 0  # TaH2: τ ramps from 0 over N steps after the depth warm-up
+    depth_schedule: str | None = None  # "STEP:DEPTH,..." depth curriculum
+    # TaH2's decider and loss (LoopConfig / LossConfig); the defaults reproduce the 2026-12-01 rows
+    decider_arch: str = "ffn"
+    decider_top_k: int = 10
+    mixture_output: bool = True
+    dyn_pos_weight: bool = False
+    cost_min: float = 0.0
+    cost_max: float | None = None
+    decider_loss_norm: str = "weights"
+    bce_margin: float = 0.0
+    gamma: float = 0.01  # ANIRA's KL weight
+    prior_base: float = 2.0
     freeze_prelude: bool = True
     alpha_d: float = 0.05
     rho: float = 0.99
@@ -131,6 +146,16 @@ def targs(c: Cfg, out: str) -> RetrofitSFTConfig:
         max_length=c.max_length,
         alpha_d=c.alpha_d,
         rho=c.rho,
+        dyn_pos_weight=c.dyn_pos_weight,
+        cost_min=c.cost_min,
+        cost_max=float("inf") if c.cost_max is None else c.cost_max,
+        decider_loss_norm=c.decider_loss_norm,
+        bce_margin=c.bce_margin,
+        gamma=c.gamma,
+        prior_base=c.prior_base,
+        depth_warmup_steps=c.depth_warmup_steps,
+        threshold_warmup_steps=c.threshold_warmup_steps,
+        depth_schedule=c.depth_schedule,
         train_sampling_strategy="sequential",
         activation_checkpointing=False,
         use_cpu=True,
@@ -164,6 +189,9 @@ def train_arm(c: Cfg, arm: str, train):
             attention=c.attention,
             deep_init_logit=c.deep_init_logit,
             updater_hidden=c.updater_hidden,
+            decider_arch=c.decider_arch,
+            decider_top_k=c.decider_top_k,
+            mixture_output=c.mixture_output,
         )
     model = convert(base, loop)
     if arm != "sft" and c.updater_base == "state":
@@ -193,8 +221,8 @@ def train_arm(c: Cfg, arm: str, train):
     if arm == "looped" and c.depth_warmup > 0:
         orig = method.train_forward_kwargs
 
-        def kw(cfg, _orig=orig):
-            d = dict(_orig(cfg))
+        def kw(cfg, step=0, _orig=orig):
+            d = dict(_orig(cfg, step))
             if trainer.state.global_step < c.depth_warmup:
                 d["depth"] = c.max_depth
             return d
@@ -216,8 +244,7 @@ def train_arm(c: Cfg, arm: str, train):
 
 
 @torch.no_grad()
-def tf_eval(model, tok, valid, batch: int = 32, depth=None):
-    """Per row: exact (bool); per completion token: (row, depth, nll, level)."""
+def _examples(tok, valid):
     fmt, _ = format_sft_dataset(valid, chat=False)
     eos = tok.eos_token
     exs = []
@@ -228,18 +255,41 @@ def tf_eval(model, tok, valid, batch: int = 32, depth=None):
         while k < min(len(p_ids), len(full)) and p_ids[k] == full[k]:
             k += 1
         exs.append((full, k))
-    exact, toks = [], []
+    return exs
+
+
+def _batches(tok, exs, batch):
+    """Right-padded batches: ``(first row index, ids, mask, answer_steps [B, T] bool, chunk)``; the answer
+    steps are the positions that produce an answer token (EOS included)."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     for i in range(0, len(exs), batch):
         chunk = exs[i : i + batch]
         T = max(len(f) for f, _ in chunk)
         ids = torch.full((len(chunk), T), pad)
         am = torch.zeros(len(chunk), T, dtype=torch.long)
-        for j, (f, _) in enumerate(chunk):
+        steps = torch.zeros(len(chunk), T, dtype=torch.bool)
+        for j, (f, k) in enumerate(chunk):
             ids[j, : len(f)] = torch.tensor(f)
             am[j, : len(f)] = 1
-        kw = {} if depth is None else {"depth": depth}
-        out = model(input_ids=ids, attention_mask=am, use_cache=False, **kw)
+            steps[j, k - 1 : len(f) - 1] = True
+        yield i, ids, am, steps, chunk
+
+
+@torch.no_grad()
+def tf_eval(model, tok, valid, batch: int = 32, depth=None, policy=None, **kw):
+    """Per row: exact (bool); per completion token: (row, depth, nll).
+
+    ``policy(batch_index, answer_steps)`` -> an exit policy for that batch (random allocation); ``kw``: more
+    forward arguments (``decider_threshold``)."""
+    exs = _examples(tok, valid)
+    exact, toks = [], []
+    for n, (i, ids, am, steps, chunk) in enumerate(_batches(tok, exs, batch)):
+        fkw = dict(kw)
+        if depth is not None:
+            fkw["depth"] = depth
+        if policy is not None:
+            fkw["exit_policy"] = policy(n, steps)
+        out = model(input_ids=ids, attention_mask=am, use_cache=False, **fkw)
         logp = out.logits.float().log_softmax(-1)
         depths = out.depths if getattr(out, "depths", None) is not None else torch.ones_like(ids)
         for j, (f, k) in enumerate(chunk):
@@ -251,6 +301,101 @@ def tf_eval(model, tok, valid, batch: int = 32, depth=None):
             for t in range(len(pos)):
                 toks.append((i + j, int(depths[j, pos[t]]), float(nll[t])))
     return np.array(exact), toks
+
+
+@torch.no_grad()
+def gain_deciles(model, tok, valid, batch: int = 32) -> dict:
+    """TaH2's own check of a decider: for every decision at an answer step, the realized gain of one more
+    iteration (ℓ^(d) - ℓ^(d+1), the lookahead giving ℓ^(d*+1)) per decile of the continue probability."""
+    exs = _examples(tok, valid)
+    probs, gains = [], []
+    method = model.loop.method
+    for _, ids, am, steps, chunk in _batches(tok, exs, batch):
+        labels = torch.where(F.pad(steps[:, :-1], (1, 0)), ids, torch.full_like(ids, -100))
+        out = model(input_ids=ids, attention_mask=am, labels=labels, output_depth_losses=True)
+        nll = out.depth_nll.double()  # [B, T, D]
+        D = nll.shape[-1]
+        for d in range(1, D):
+            g = nll[..., d - 1] - nll[..., d]
+            if method == "tah2":
+                if out.halt_signals is None or out.halt_signals.shape[-1] < d:
+                    continue
+                c = out.halt_signals[..., d - 1]
+            elif method == "anira-o":
+                c = 1 - out.halt_signals[..., d - 1]
+            else:  # anira-e: P(d* > d)
+                c = 1 - out.depth_probs[..., :d].sum(-1)
+            ok = steps & (out.depths >= d) & torch.isfinite(g)
+            probs.append(c[ok].double())
+            gains.append(g[ok])
+    if not probs:
+        return {}
+    p, g = torch.cat(probs).numpy(), torch.cat(gains).numpy()
+    order = np.argsort(p, kind="stable")
+    parts = np.array_split(order, 10)
+    table = [
+        {"decile": i + 1, "n": len(ix), "mean_prob": float(p[ix].mean()), "mean_gain": float(g[ix].mean())}
+        for i, ix in enumerate(parts)
+        if len(ix)
+    ]
+    return {"table": table, "spearman": spearman([r["decile"] for r in table], [r["mean_gain"] for r in table])}
+
+
+THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def frontier(model, tok, valid, draws: int = 3) -> dict:
+    """The accuracy-compute frontier on the validation rows: the decider at each threshold, and random
+    allocation of the answer steps at the decider's d̄ there (``draws`` seeds), paired on the same rows."""
+    from retrofit.flops import cost_report
+    from retrofit.halting.training_free import RandomContinue, continue_rate_for_mean_depth
+
+    D = model.loop.max_depth
+    out = {"points": [], "random": []}
+    for tau in THRESHOLDS:
+        ex, toks = tf_eval(model, tok, valid, decider_threshold=tau)
+        d = np.array([t[1] for t in toks])
+        dbar = float(d.mean())
+        fl = cost_report(model, torch.as_tensor(d))
+        out["points"].append(
+            {"threshold": tau, "accuracy": float(ex.mean()), "mean_depth": dbar, "flops": fl["flops"] / fl["n_tokens"]}
+        )
+        if tau != 0.5 or D == 1:
+            continue
+        q = continue_rate_for_mean_depth(min(max(dbar, 1.0), float(D)), D)
+        rand = []
+        for seed in range(draws):
+
+            def pol(n, where, seed=seed):
+                return RandomContinue(q, seed=1000 * seed + n, where=where)
+
+            ex_r, toks_r = tf_eval(model, tok, valid, policy=pol)
+            rand.append((ex_r, float(np.mean([t[1] for t in toks_r]))))
+        b = np.mean([r[0] for r in rand], axis=0)
+        diff = ex.astype(float) - b
+        out["random"] = {
+            "threshold": tau,
+            "rate": q,
+            "decider_accuracy": float(ex.mean()),
+            "random_accuracy": float(b.mean()),
+            "random_mean_depth": float(np.mean([r[1] for r in rand])),
+            "decider_minus_random": float(diff.mean()),
+            "sign_flip_p": sign_flip_p(diff),
+            "mcnemar_p_per_draw": [mcnemar_p(ex, r[0]) for r in rand],
+        }
+    return out
+
+
+def sign_flip_p(diff: np.ndarray, n: int = 20000, seed: int = 0) -> float:
+    """Two-sided Monte-Carlo randomization p-value of mean(diff) = 0 under sign flips of the paired rows."""
+    diff = np.asarray(diff, float)
+    nz = diff[diff != 0]
+    if nz.size == 0:
+        return 1.0
+    rng = np.random.default_rng(seed)
+    obs = abs(nz.sum())
+    flips = rng.choice([-1.0, 1.0], size=(n, nz.size))
+    return float(((np.abs(flips @ nz) >= obs - 1e-12).sum() + 1) / (n + 1))
 
 
 def spearman(a, b) -> float:
@@ -332,6 +477,18 @@ def run(c: Cfg) -> dict:
                 ex_d, toks_d = tf_eval(model, tok, valid, depth=dd)
                 info[f"exact_d{dd}"] = "".join("1" if x else "0" for x in ex_d)
                 info[f"tok_nll_d{dd}"] = [round(t[2], 4) for t in toks_d]
+                info[f"acc_d{dd}"] = float(ex_d.mean())
+            from retrofit.flops import cost_report
+
+            info["flops_per_token"] = {
+                dd: cost_report(model, torch.full((8,), dd), decider=False)["flops"] / 8
+                for dd in range(1, c.max_depth + 1)
+            }
+        if arm == "looped" and c.method != "fixed" and c.max_depth > 1:
+            t0 = time.time()
+            info["frontier"] = frontier(model, tok, valid)
+            info["gain_deciles"] = gain_deciles(model, tok, valid)
+            info["frontier_s"] = round(time.time() - t0, 1)
         res["arms"][arm] = info
         if key is not None:
             _CONTROL_CACHE[key] = (evals[arm], info)

@@ -48,19 +48,68 @@ def brute_force_labels(nll, mask, rho):
     return kappa, labels, weights
 
 
-def hand_decider_loss(depth_nll, labels, cont, rho=0.99, weighting="distance"):
-    """α-free TaH2 decider loss written out: brute-force labels and weights (``brute_force_labels``),
-    BCE by hand; differentiable in ``cont`` ``[B, T, k]``. Returns ``(loss, number of decisions)``."""
+def hand_decider_loss(
+    depth_nll,
+    labels,
+    logits,
+    rho=0.99,
+    weighting="distance",
+    *,
+    dyn_pos_weight=True,
+    pos_weight=1.0,
+    cost_min=1e-6,
+    cost_max=1.0,
+    norm="tokens",
+    margin=0.0,
+):
+    """α-free TaH2 decider loss written out (defaults: ``LossConfig``'s): brute-force labels and weights
+    (``brute_force_labels``), the weights clamped to ``[cost_min, cost_max]``, per-depth ``pos_weight`` =
+    negatives / positives clamped to [0.02, 50] (1 if a class is absent), BCE on ``logit - margin·(2y-1)``
+    by hand, summed with weights and divided by the labelled tokens (``norm="tokens"``) or the weights' sum.
+    Differentiable in ``logits`` ``[B, T, k]``. Returns ``(loss, number of decisions)``."""
     mask = (F.pad(labels[:, 1:], (0, 1), value=-100) != -100).tolist()
     kappa, ys, ws = brute_force_labels(depth_nll.detach(), mask, rho)
-    ys = {k: v for k, v in ys.items() if k[2] < cont.shape[-1]}
+    ys = {k: v for k, v in ys.items() if k[2] < logits.shape[-1]}
+    pws = {}
+    for d in {k[2] for k in ys}:
+        pos = sum(1 for k, y in ys.items() if k[2] == d and y == 1)
+        neg = sum(1 for k, y in ys.items() if k[2] == d and y == 0)
+        pws[d] = (
+            min(max(neg / pos, 0.02), 50.0)
+            if (dyn_pos_weight and pos and neg)
+            else (1.0 if dyn_pos_weight else pos_weight)
+        )
     num = den = 0.0
     for (b, t, d), y in ys.items():
-        c = cont[b, t, d].float()
-        w = ws[(b, t, d)] if weighting == "distance" else 1.0
-        num = num - w * (y * torch.log(c) + (1 - y) * torch.log(1 - c))
+        s = logits[b, t, d].float() - margin * (2 * y - 1)
+        if weighting == "distance":
+            w = max(ws[(b, t, d)], cost_min)
+            w = w if cost_max is None else min(w, cost_max)
+        else:
+            w = 1.0
+        p = torch.sigmoid(s)
+        num = num - w * (pws[d] * y * torch.log(p) + (1 - y) * torch.log(1 - p))
         den += w
+    if norm == "tokens":
+        den = sum(sum(row) for row in mask)
     return num / max(den, 1e-12), len(ys)
+
+
+def hand_decider_loss_cfg(depth_nll, labels, logits, cfg):
+    """``hand_decider_loss`` with the switches of a ``LossConfig``."""
+    return hand_decider_loss(
+        depth_nll,
+        labels,
+        logits,
+        cfg.rho,
+        cfg.decider_weighting,
+        dyn_pos_weight=cfg.dyn_pos_weight,
+        pos_weight=cfg.pos_weight,
+        cost_min=cfg.cost_min,
+        cost_max=cfg.cost_max,
+        norm=cfg.decider_loss_norm,
+        margin=cfg.bce_margin,
+    )
 
 
 def direct_kl_to_prior(q: torch.Tensor, base: float) -> torch.Tensor:

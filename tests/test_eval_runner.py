@@ -35,22 +35,25 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+FFN = {"decider_arch": "ffn", "decider_top_k": 10}
+
+
 def _looped(max_depth=3, method="tah2", seed=1):
     """A tiny random looped model whose depths and per-depth outputs actually vary."""
     import retrofit
-    from retrofit.testing import tiny_base
+    from retrofit.testing import spread_decider, tiny_base
 
     # the heads' init draws from the global RNG, whose seed differs per process: fix it
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=max_depth, method=method)).eval()
+        # the evaluation's equivalences are checked on the "ffn" decider (10 probability features), whose
+        # random draws below give these prompts mixed depths
+        m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=max_depth, method=method, **FFN)).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         m.updater.w2.weight.copy_(torch.randn(m.updater.w2.weight.shape, generator=g) * 0.5)
         if method == "tah2":
-            fc2 = m.halting.decider.fc2
-            fc2.weight.copy_(torch.randn(fc2.weight.shape, generator=g))
-            fc2.bias.zero_()
+            spread_decider(m, std=1.0, generator=g)
     return m
 
 

@@ -26,7 +26,7 @@ from retrofit.export import (
     flat_name,
 )
 from retrofit.model_card import split_front_matter
-from retrofit.testing import char_tokenizer, tiny_base
+from retrofit.testing import char_tokenizer, spread_decider, tiny_base
 
 REPO = Path(retrofit.__file__).resolve().parent.parent
 HAS_CACHE_GENERATION = importlib.util.find_spec("retrofit.generation") is not None
@@ -120,6 +120,8 @@ def randomized(model, seed: int = 1):
         for mod in (model.updater, model.halting):
             for p in mod.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    if model.loop.method == "tah2":  # unit-gain decider layers: scores that differ from token to token
+        spread_decider(model, logit_std=2.0, generator=g)
     return model.eval()
 
 

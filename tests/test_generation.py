@@ -18,7 +18,7 @@ from transformers import DynamicCache, TextStreamer
 from retrofit import LoopConfig, convert
 from retrofit.cache import DepthKVCache
 from retrofit.outputs import LoopedGenerateOutput
-from retrofit.testing import char_tokenizer, tiny_base
+from retrofit.testing import char_tokenizer, spread_decider, tiny_base
 
 SPLITS = {"whole": {"prelude": 0, "core": None}, "middle": {"prelude": 1, "core": 3}}
 
@@ -30,6 +30,8 @@ def randomized(model, seed: int = 1, scale: float = 0.5):
         for mod in (model.updater, model.halting):
             for p in mod.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
+    if model.loop.method == "tah2":  # unit-gain decider layers: scores that differ from token to token
+        spread_decider(model, logit_std=2.0, generator=g)
     return model.eval()
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import retrofit
-from retrofit.testing import tiny_base
+from retrofit.testing import spread_decider, tiny_base
 
 CASES = [
     ("llama", dict(method="tah2", max_depth=3, prelude=1, core=3)),  # coda of 2 layers
@@ -30,9 +30,7 @@ def _model(family, loop, seed=0):
     with torch.no_grad():  # mixed exits (lookahead tokens exist) and a non-trivial updater
         model.updater.w2.weight.normal_(0.0, 0.05)
         if loop["method"] == "tah2":  # continue logits ~ N(0, 4): about half the tokens stop at each depth
-            fc2 = model.halting.decider.fc2
-            fc2.weight.normal_(0.0, 2.0 / fc2.in_features**0.5)
-            fc2.bias.zero_()
+            spread_decider(model, logit_std=2.0)
         else:
             for p in model.halting.parameters():
                 p.normal_(0.0, 2.0 / p.shape[-1] ** 0.5) if p.dim() > 1 else p.zero_()

@@ -19,7 +19,7 @@ import retrofit.depth_attention as da
 from retrofit import LoopConfig
 from retrofit.attention import base_visibility, depth_key_visibility
 from retrofit.backends import DepthKVStore
-from retrofit.testing import tiny_base
+from retrofit.testing import spread_decider, tiny_base
 
 ATOL, G_ATOL, G_RTOL = 2e-5, 1e-5, 1e-4
 
@@ -33,9 +33,7 @@ def _looped(method, attention, max_depth, family="llama", impl="sdpa", seed=3):
     with torch.no_grad():  # a non-trivial updater and mixed exits
         model.updater.w2.weight.normal_(0.0, 0.05)
         if method == "tah2":
-            fc2 = model.halting.decider.fc2
-            fc2.weight.normal_(0.0, 2.0 / fc2.in_features**0.5)
-            fc2.bias.zero_()
+            spread_decider(model, logit_std=2.0)
         if method == "anira-e":
             for p in model.halting.parameters():
                 if p.dim() == 2:

@@ -20,7 +20,7 @@ from retrofit.halting.anira import kl_to_prior, log_prior
 from retrofit.halting.base import AuxLoss, LossConfig
 from retrofit.halting.fixed import sample_poisson_lognormal_depth
 from retrofit.halting.tah2 import decider_loss, gain_cutoff, lookahead_labels, next_token_mask
-from retrofit.testing import tiny_base
+from retrofit.testing import spread_decider, tiny_base
 
 NAN = float("nan")
 
@@ -128,36 +128,117 @@ def test_lookahead_labels_match_brute_force(seed):
     assert lab.weights[~lab.decided].abs().sum() == 0
 
 
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+HAND_C = [[0.9, 0.6], [0.3, 0.5], [0.7, 0.2], [0.8, 0.5], [0.5, 0.5]]
+# decided: (t0,d1..2), (t1,d1), (t2,d1..2), (t3,d1); ρ = 0.99 labels and |δ - κ| weights (the example above)
+HAND_Y = {(0, 0): 1, (0, 1): 1, (1, 0): 0, (2, 0): 1, (2, 1): 1, (3, 0): 0}
+HAND_W = {(0, 0): 0.875, (0, 1): 0.0, (1, 0): 0.625, (2, 0): 0.25, (2, 1): 0.5, (3, 0): 0.109375}
+
+
+def _bce(p, y, pw=1.0):
+    return -(pw * y * math.log(p) + (1 - y) * math.log(1 - p))
+
+
+def _hand_logits():
+    return torch.tensor([[[_logit(p) for p in row] for row in HAND_C]], requires_grad=True)
+
+
 def test_decider_loss_matches_direct_computation():
+    """retrofit < 0.2 (normalized by the weights' sum, no clamps, no pos_weight), by hand."""
     lab = lookahead_labels(HAND_NLL, HAND_MASK, rho=0.99)
-    c = torch.tensor([[[0.9, 0.6], [0.3, 0.5], [0.7, 0.2], [0.8, 0.5], [0.5, 0.5]]], requires_grad=True)
-    loss, metrics = decider_loss(c, lab, "distance")
-    # decided: (t0,d1..2), (t1,d1), (t2,d1..2), (t3,d1)
-    ys = {(0, 0): 1, (0, 1): 1, (1, 0): 0, (2, 0): 1, (2, 1): 1, (3, 0): 0}
-    ws = {(0, 0): 0.875, (0, 1): 0.0, (1, 0): 0.625, (2, 0): 0.25, (2, 1): 0.5, (3, 0): 0.109375}
-    cv = c[0].tolist()
-
-    def bce(p, y):
-        return -(y * math.log(p) + (1 - y) * math.log(1 - p))
-
-    direct = sum(ws[k] * bce(cv[k[0]][k[1]], ys[k]) for k in ys) / sum(ws.values())
+    s = _hand_logits()
+    legacy = LossConfig(dyn_pos_weight=False, cost_min=0.0, cost_max=None, decider_loss_norm="weights")
+    loss, metrics = decider_loss(s, lab, legacy)
+    direct = sum(HAND_W[k] * _bce(HAND_C[k[0]][k[1]], HAND_Y[k]) for k in HAND_Y) / sum(HAND_W.values())
     assert loss.item() == pytest.approx(direct, rel=1e-6)
-    uniform, _ = decider_loss(c, lab, "uniform")
-    assert uniform.item() == pytest.approx(sum(bce(cv[k[0]][k[1]], ys[k]) for k in ys) / len(ys), rel=1e-6)
+    uniform, _ = decider_loss(
+        s, lab, LossConfig(decider_weighting="uniform", dyn_pos_weight=False, decider_loss_norm="weights")
+    )
+    assert uniform.item() == pytest.approx(sum(_bce(HAND_C[k[0]][k[1]], HAND_Y[k]) for k in HAND_Y) / 6, rel=1e-6)
     assert metrics["decisions"].item() == 6
     assert metrics["continue_label_rate"].item() == pytest.approx(4 / 6)
     # decisions at τ = 0.5: c ≥ 0.5 ↔ continue. t0: 1,1 ✓✓; t1: 0 ✓; t2: 1 ✓, 0 ✗; t3: 1 ✗
     assert metrics["decider_accuracy"].item() == pytest.approx(4 / 6)
     loss.backward()
-    assert c.grad[0, 4].abs().sum() == 0  # undecided position: no gradient
-    assert c.grad[0, 1, 1] == 0 and c.grad[0, 0, 1] == 0  # undecided / zero weight
-    assert c.grad[0, 0, 0] < 0 and c.grad[0, 1, 0] > 0  # pushed toward its label
+    assert s.grad[0, 4].abs().sum() == 0  # undecided position: no gradient
+    assert s.grad[0, 1, 1] == 0 and s.grad[0, 0, 1] == 0  # undecided / zero weight
+    assert s.grad[0, 0, 0] < 0 and s.grad[0, 1, 0] > 0  # pushed toward its label
 
 
-def test_decider_loss_rejects_unknown_weighting():
-    lab = lookahead_labels(HAND_NLL, HAND_MASK)
+def test_decider_loss_release_defaults_by_hand():
+    """The release's loss: weights clamped to [1e-6, 1] (the zero weight becomes 1e-6), pos_weight = neg/pos per
+    depth (depth 1: 2 continue / 2 stop -> 1; depth 2: only continues -> 1), Σ w·BCE / labelled tokens (4)."""
+    lab = lookahead_labels(HAND_NLL, HAND_MASK, rho=0.99)
+    s = _hand_logits()
+    loss, metrics = decider_loss(s, lab, LossConfig(), n_tokens=HAND_MASK.sum())
+    w = {k: min(max(v, 1e-6), 1.0) for k, v in HAND_W.items()}
+    direct = sum(w[k] * _bce(HAND_C[k[0]][k[1]], HAND_Y[k]) for k in HAND_Y) / 4
+    assert loss.item() == pytest.approx(direct, rel=1e-6)
+    assert metrics["pos_weight"].item() == 1.0
+    loss.backward()
+    assert s.grad[0, 0, 1] != 0  # the clamp keeps a zero-distance decision in the loss (weight 1e-6)
+    # cost_max clamps a large distance: scale every gain by 4 (weights 3.5, 0, 2.5, 1, 2, 0.4375)
+    lab4 = lookahead_labels(HAND_NLL * 4, HAND_MASK, rho=0.99)
+    l4, _ = decider_loss(s.detach(), lab4, LossConfig(), n_tokens=4)
+    w4 = {k: min(max(4 * v, 1e-6), 1.0) for k, v in HAND_W.items()}
+    assert l4.item() == pytest.approx(sum(w4[k] * _bce(HAND_C[k[0]][k[1]], HAND_Y[k]) for k in HAND_Y) / 4, rel=1e-6)
+
+
+def _labels_by_hand(y, w):
+    """A ``LookaheadLabels`` with one decision per token at depth 1: labels ``y``, weights ``w``."""
+    from retrofit.halting.tah2 import LookaheadLabels
+
+    y = torch.tensor(y, dtype=torch.float64)[None, :, None]
+    w = torch.tensor(w, dtype=torch.float64)[None, :, None]
+    return LookaheadLabels(
+        delta=w,
+        decided=torch.ones_like(y, dtype=torch.bool),
+        labels=y,
+        weights=w,
+        kappa=torch.zeros((), dtype=torch.float64),
+    )
+
+
+@pytest.mark.parametrize("n_pos, n_neg, pw", [(1, 3, 3.0), (3, 1, 1 / 3), (1, 99, 50.0), (99, 1, 0.02), (0, 4, 1.0)])
+def test_dynamic_pos_weight_is_the_clamped_negative_positive_ratio(n_pos, n_neg, pw):
+    y = [1] * n_pos + [0] * n_neg
+    lab = _labels_by_hand(y, [0.5] * len(y))
+    s = torch.linspace(-1, 1, len(y))[None, :, None]
+    loss, metrics = decider_loss(s, lab, LossConfig(), n_tokens=len(y))
+    assert metrics["pos_weight"].item() == pytest.approx(pw, rel=1e-6)
+    ps = torch.sigmoid(s).flatten().tolist()
+    direct = sum(0.5 * _bce(p, yy, pw) for p, yy in zip(ps, y)) / len(y)
+    assert loss.item() == pytest.approx(direct, rel=1e-5)
+    static, m2 = decider_loss(s, lab, LossConfig(dyn_pos_weight=False, pos_weight=2.0), n_tokens=len(y))
+    assert m2["pos_weight"].item() == 2.0
+    assert static.item() == pytest.approx(sum(0.5 * _bce(p, yy, 2.0) for p, yy in zip(ps, y)) / len(y), rel=1e-5)
+
+
+def test_bce_margin_shifts_the_logit_toward_the_wrong_side():
+    lab = _labels_by_hand([1, 0], [1.0, 1.0])
+    s = torch.tensor([[[2.0], [-0.5]]])
+    loss, _ = decider_loss(s, lab, LossConfig(bce_margin=1.5, dyn_pos_weight=False), n_tokens=2)
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    direct = (_bce(sig(2.0 - 1.5), 1) + _bce(sig(-0.5 + 1.5), 0)) / 2
+    assert loss.item() == pytest.approx(direct, rel=1e-6)
+    plain, _ = decider_loss(s, lab, LossConfig(dyn_pos_weight=False), n_tokens=2)
+    assert loss.item() > plain.item()
+
+
+def test_loss_config_rejects_bad_switches():
     with pytest.raises(ValueError, match="uniform"):
-        decider_loss(torch.rand(1, 5, 2), lab, "squared")
+        LossConfig(decider_weighting="squared")
+    with pytest.raises(ValueError, match="decider_loss_norm"):
+        LossConfig(decider_loss_norm="mean")
+    with pytest.raises(ValueError, match="cost_max"):
+        LossConfig(cost_min=0.5, cost_max=0.1)
+    with pytest.raises(ValueError, match="bce_margin"):
+        LossConfig(bce_margin=-1.0)
+    with pytest.raises(ValueError, match="pos_weight"):
+        LossConfig(pos_weight=0.0)
 
 
 def test_next_token_mask_shifts_labels():
@@ -183,7 +264,7 @@ def test_tah2_loss_uses_depth_nll_and_signals():
     out = model(ids, labels=labels)
     cfg = LossConfig()
     aux = model.halting.loss(out, labels, cfg)
-    ref, n = hand_decider_loss(out.depth_nll, labels, out.halt_signals)
+    ref, n = hand_decider_loss(out.depth_nll, labels, out.halt_logits)
     assert torch.allclose(aux.loss, cfg.alpha_d * ref)
     assert aux.metrics["decisions"].item() == n > 0
     # the forward's own loss: the mixture NLL plus the weighted decider loss, the latter in aux_loss
@@ -361,7 +442,10 @@ def test_truncated_backprop_runs_early_iterations_without_autograd():
 def _method_model(name, seed=0):
     kwargs = dict(prelude=1, core=4) if name.startswith("anira") else {}
     torch.manual_seed(seed)
-    return retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=3, method=name, **kwargs))
+    model = retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=3, method=name, **kwargs))
+    if name == "tah2":  # the release's init puts every decision at p ≈ 0.5 on one side: spread them
+        spread_decider(model, logit_std=2.0, generator=torch.Generator().manual_seed(seed))
+    return model
 
 
 def _total_loss(model, ids, labels, cfg):
@@ -440,9 +524,7 @@ def _mixed_depth_tah2(seed=0, **loop):
     ).train()
     with torch.no_grad():
         torch.nn.init.normal_(model.updater.w2.weight, std=0.05)
-        fc2 = model.halting.decider.fc2
-        torch.nn.init.normal_(fc2.weight, std=2.0 / fc2.in_features**0.5)
-        fc2.bias.zero_()
+        spread_decider(model, logit_std=2.0)
     return model
 
 
@@ -468,7 +550,7 @@ def test_tah2_training_forward_matches_reference_mixture_and_losses():
     shift = F.pad(labels[:, 1:], (0, 1), value=-100)
     m = shift != -100
     nll = -probs.gather(-1, shift.clamp_min(0)[..., None]).squeeze(-1).log()
-    l_d, n = hand_decider_loss(ref.depth_nll, labels, ref.halt_signals)
+    l_d, n = hand_decider_loss(ref.depth_nll, labels, ref.halt_logits)
     assert n > 0
     total = nll[m].mean() + model.loop.alpha_d * l_d
     assert torch.allclose(out.loss, total, atol=1e-5)

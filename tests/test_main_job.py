@@ -72,8 +72,29 @@ def test_main_job_tiny_budget(tmp_path):
         test = summary["paired_tests"][other]["all"]
         assert test["n"] == 12 and 0.0 <= test["mcnemar_p"] <= 1.0
     assert "spearman_depth_vs_level" in summary and "spearman_token_depth_vs_control_loss" in summary
-    assert set(summary["targets"]) == {"control_learns", "looped_beats_control", "depth_follows_difficulty"}
+    assert set(summary["targets"]) == {
+        "control_learns",
+        "looped_beats_control",
+        "depth_follows_difficulty",
+        "adaptive_not_worse_than_fixed",  # not met without --control fixed, with the reason
+        "decider_beats_random",
+        "gain_rises_with_continue_probability",
+    }
     assert all(isinstance(t["met"], bool) for t in summary["targets"].values())
+    assert "reason" in summary["targets"]["adaptive_not_worse_than_fixed"]
+    # the accuracy-compute frontier (issue 24): every model and policy, the decider against random allocation,
+    # the gain per decile, the break-even d̄ (tests/test_frontier.py checks each figure)
+    assert {(p["model"], p["policy"]) for p in summary["frontier"]} == {
+        ("looped", "decider"),
+        ("looped", "random"),
+        ("looped", "forced"),
+        ("sft", "plain"),
+        ("base", "plain"),
+    }
+    assert "own" in summary["decider_vs_random"] and "bins" in summary["gain_by_decile"]
+    assert "max_depth" in summary["break_even_mean_depth"] and summary["fixed_control"] is None
+    assert "accuracy-compute frontier" in proc.stdout
+    assert (out / "report" / "accuracy_vs_flops.png").exists()
     assert summary["peak_rss_mb"] > 0
     forced = summary["looped_forced_depth_accuracy"]
     assert set(forced) == {"1", "2"} and all(0.0 <= a <= 1.0 for a in forced.values())

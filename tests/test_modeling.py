@@ -56,11 +56,16 @@ def test_convert_reuses_layers_by_reference():
 
 
 def test_deciders_start_deep(family):
+    """ANIRA's deciders and TaH2's older "ffn" decider start deep; TaH2's release decider starts at p ≈ 0.5."""
     base = tiny_base(family)
     ids = ids_for()
-    for method in ("tah2", "anira-e", "anira-o"):
-        looped = retrofit.convert(base, LoopConfig(max_depth=4, method=method)).eval()
+    for method, arch in (("tah2", "ffn"), ("anira-e", None), ("anira-o", None)):
+        extra = {"decider_arch": arch} if arch else {}
+        looped = retrofit.convert(base, LoopConfig(max_depth=4, method=method, **extra)).eval()
         assert looped(ids).depths.eq(4).all(), method
+    looped = retrofit.convert(base, LoopConfig(max_depth=4, method="tah2")).eval()
+    with torch.no_grad():
+        assert (looped(ids).halt_signals[..., 0] - 0.5).abs().max() < 0.05
 
 
 @pytest.mark.parametrize("attention", retrofit.ATTENTION_MODES)

@@ -13,7 +13,7 @@ import torch
 
 from retrofit.config import LoopConfig
 from retrofit.convert import convert
-from retrofit.testing import char_tokenizer, tiny_base
+from retrofit.testing import char_tokenizer, spread_decider, tiny_base
 from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
 
 
@@ -31,9 +31,7 @@ def _model(loop: dict):
     with torch.no_grad():  # a non-trivial updater and, for TaH2, mixed exits
         model.updater.w2.weight.normal_(0.0, 0.05)
         if loop["method"] == "tah2":
-            fc2 = model.halting.decider.fc2
-            fc2.weight.normal_(0.0, 2.0 / fc2.in_features**0.5)
-            fc2.bias.zero_()
+            spread_decider(model, logit_std=2.0)
     return model
 
 

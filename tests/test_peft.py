@@ -9,7 +9,7 @@ from peft import PeftModel
 
 import retrofit
 from retrofit.checkpointing import assert_safetensors_only
-from retrofit.testing import char_tokenizer, tiny_base
+from retrofit.testing import char_tokenizer, spread_decider, tiny_base
 from retrofit.training import LORA_TARGETS, RetrofitSFTConfig, RetrofitSFTTrainer, apply_lora, format_sft_dataset
 
 
@@ -24,7 +24,10 @@ def _one_thread():
 def looped(family="llama", method="tah2", seed=0):
     torch.manual_seed(seed)  # the heads' init draws from the global RNG
     kw = dict(prelude=1, core=4) if method.startswith("anira") else {}
-    return retrofit.convert(tiny_base(family, seed=seed), retrofit.LoopConfig(max_depth=2, method=method, **kw))
+    m = retrofit.convert(tiny_base(family, seed=seed), retrofit.LoopConfig(max_depth=2, method=method, **kw))
+    if method == "tah2":  # mixed exits, so the updater runs (the release's init sends every token one way)
+        spread_decider(m, logit_std=2.0, generator=torch.Generator().manual_seed(seed))
+    return m
 
 
 def ids_batch():

@@ -225,6 +225,8 @@ def test_anira_llama_online(tmp_path, rows_file):
             "3",
             "--gamma",
             "0.1",
+            "--lora",  # the CPU preset trains LoRA adapters; full fine-tuning here
+            "false",
             *COMMON,
         ],
     )
@@ -295,6 +297,10 @@ def test_tah2_llama_zero2_two_cpu_processes(tmp_path, rows_file, tah2_run):
     launch("zero2.yaml", "tah2_llama.py", args, extra_launch=["--num_processes", "2", "--mixed_precision", "no"])
     logs = check_run(out, 3)
     assert (out / "checkpoint-3" / "latest").exists()  # a DeepSpeed engine checkpoint
+    # every rank must use the same parameters each step (ZeRO's bucketed reductions): the loop unrolls every depth
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(out / "final").loop_config.fixed_graph is True
     one = logged(tah2_run / "checkpoint-2")  # same seed and data, before any update
     assert logs[1]["ntp_loss"] == pytest.approx(one[1]["ntp_loss"], rel=1e-4)
 

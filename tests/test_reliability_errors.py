@@ -221,7 +221,7 @@ LOOP_CASES = [
     (["--core", "0"], "core must be None"),
     (["--exit_threshold", "1.5"], "exit_threshold must be a number strictly between 0 and 1"),
     (["--train_decisions", "coin"], "train_decisions must be 'threshold' or 'sample'"),
-    (["--decider_top_k", "0"], "decider_top_k must be an integer >= 1"),
+    (["--decider_top_k", "-1"], "decider_top_k must be an integer >= 0"),
     (["--updater_hidden", "-4"], "updater_hidden must be None or a positive integer"),
 ]
 

@@ -301,8 +301,8 @@ def test_core_runs_once_per_step_on_rows_of_every_depth():
 
 
 def test_lm_head_padding_keeps_each_rows_logits():
-    """``_logits`` pads 7–15 rows to 16 on CPU (a faster MKL path) and returns, for any row count, each row's
-    own final norm + LM head (brute force: one row at a time)."""
+    """``StepExecutor.logits`` pads 7–15 rows to 16 on CPU (a faster MKL path) and returns, for any row count,
+    each row's own final norm + LM head (brute force: one row at a time)."""
     from retrofit.serving.step import LM_HEAD_PAD_FROM, LM_HEAD_PAD_ROWS
 
     model = looped("qwen3", "anira-e", "middle", head_seed=1)
@@ -321,7 +321,7 @@ def test_lm_head_padding_keeps_each_rows_logits():
         for n in list(range(1, 21)) + [63, 64, 70]:
             y = torch.randn(n, model.config.hidden_size, generator=g)
             seen.clear()
-            got = eng._logits(y)
+            got = eng.executor.logits(y)
             padded = LM_HEAD_PAD_FROM <= n < LM_HEAD_PAD_ROWS
             assert seen == [LM_HEAD_PAD_ROWS if padded else n]
             assert got.shape == (n, model.config.vocab_size)
@@ -530,7 +530,7 @@ def test_core_kv_layout_matches_a_brute_force_log(attention, core_bs):
 
 
 def test_sampling_is_reproducible_per_seed_whatever_the_batch():
-    model = looped("llama", "tah2", "whole", head_seed=3)
+    model = looped("llama", "tah2", "whole", head_seed=4)
     p = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=8, seed=123)
 
     def alone():

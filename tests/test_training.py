@@ -212,7 +212,7 @@ def test_compute_loss_runs_the_looped_forward_plus_aux(tmp_path):
     inputs = _one_batch(tr)
     loss = tr.compute_loss(model, dict(inputs))
     ref = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"])
-    l_d, n = hand_decider_loss(ref.depth_nll, inputs["labels"], ref.halt_signals)
+    l_d, n = hand_decider_loss(ref.depth_nll, inputs["labels"], ref.halt_logits)
     assert n > 0
     expected = next_token_ce(ref.logits, inputs["labels"]) + 0.05 * l_d
     assert torch.allclose(loss, expected, atol=1e-6)

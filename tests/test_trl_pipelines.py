@@ -36,7 +36,7 @@ import importlib.util
 
 import pytest
 import torch
-from references import direct_kl_to_prior, hand_decider_loss
+from references import direct_kl_to_prior, hand_decider_loss_cfg
 
 import retrofit
 from retrofit import LoopConfig, convert
@@ -303,7 +303,7 @@ def hand_aux(model, out, labels, attention_mask):
     """The method's weighted auxiliary loss, written out (``references.py``), from a forward's fields."""
     loop = model.loop
     if loop.method == "tah2":
-        l_d, n = hand_decider_loss(out.depth_nll, labels, out.halt_signals, loop.rho, loop.decider_weighting)
+        l_d, n = hand_decider_loss_cfg(out.depth_nll, labels, out.halt_logits, loop.loss_config)
         assert n > 0, "no decision was supervised"
         return loop.alpha_d * l_d
     kl = direct_kl_to_prior(out.depth_probs, loop.prior_base)

@@ -24,7 +24,8 @@ def write_artifacts(results: Mapping[str, Any], out_dir: str | os.PathLike) -> d
     Per task: ``{task}_depth_vs_difficulty.png`` (looped models only), ``{task}_accuracy_vs_difficulty.png``
     (training levels shaded), ``{task}_accuracy_vs_compute.png`` (every model; x = matmul MFLOPs per
     generated token, error bars = accuracy intervals), ``{task}_loss_change.png`` (looped, D > 1) and
-    ``{task}_depth_by_token_difficulty.png`` (looped models with a difficulty reference).
+    ``{task}_depth_by_token_difficulty.png`` (looped models with a difficulty reference); with a frontier
+    (``EvalOptions.frontier``), ``accuracy_vs_flops.png``: every model and policy, one panel per task.
 
     Returns:
         ``{artifact: path}``.
@@ -33,6 +34,7 @@ def write_artifacts(results: Mapping[str, Any], out_dir: str | os.PathLike) -> d
     from .plots import (
         plot_accuracy_vs_compute,
         plot_accuracy_vs_difficulty,
+        plot_accuracy_vs_flops,
         plot_depth_by_token_difficulty,
         plot_depth_vs_difficulty,
         plot_loss_change_histogram,
@@ -100,6 +102,11 @@ def write_artifacts(results: Mapping[str, Any], out_dir: str | os.PathLike) -> d
         for t in per.values():
             all_samples += t.get("samples", [])
             max_d = max(max_d, int(t.get("max_depth", 1)))
+    frontier = results.get("frontier") or {}
+    if frontier:
+        plots["accuracy vs FLOPs per answer token (the frontier)"] = plot_accuracy_vs_flops(
+            {task: f.get("points", []) for task, f in frontier.items()}, out / "accuracy_vs_flops.png"
+        )
     paths.update({f"plot:{k}": str(v) for k, v in plots.items()})
     if all_samples:
         paths["samples"] = write_depth_html(

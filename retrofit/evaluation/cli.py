@@ -67,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "  retrofit eval --model out/looped --task mano --levels 3-8,12,16,20 --n 50 --out eval/\n"
         "  retrofit eval --model out/looped --compare out/sft=sft smollm2=base --task mano,brevo --limit 40\n"
         "  retrofit eval --model tiny-llama --task lano --levels lano=8,12 --n 5 --out /tmp/ev\n"
+        "  retrofit eval --model out/looped --compare out/fixed=fixed out/sft=sft --task clrs_sorting \\\n"
+        "      --accuracy teacher_forced_argmax --frontier --frontier-rows-per-level 25 --out eval/\n"
         "Tasks: mano, brevo, lano, clrs_sorting, clrs_string_matching, clrs_max_subarray, clrs_bfs, gsm,\n"
         "rg_chain_sum, rg_maze, rg_sudoku, rg_path_star (data_prep.tasks.TASKS)."
     )
@@ -143,6 +145,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-policy-generation", action="store_true", help="skip generating under the training-free exits"
     )
+    parser.add_argument(
+        "--frontier",
+        action="store_true",
+        help=_help("frontier"),
+    )
+    parser.add_argument(
+        "--frontier-thresholds",
+        type=_float_list,
+        default=_default("frontier_thresholds"),
+        metavar="T1,T2,...",
+        help=_help("frontier_thresholds") + " Default: " + ",".join(f"{t:g}" for t in _default("frontier_thresholds")),
+    )
+    parser.add_argument(
+        "--frontier-draws", type=int, default=_default("frontier_random_draws"), help=_help("frontier_random_draws")
+    )
+    parser.add_argument(
+        "--frontier-rows-per-level",
+        type=int,
+        default=_default("frontier_rows_per_level"),
+        help=_help("frontier_rows_per_level"),
+    )
     parser.add_argument("--generation-backend", choices=GENERATION_BACKENDS, default="auto", help=_help("backend"))
     parser.add_argument("--difficulty-reference", default=None, metavar="NAME", help=_help("difficulty_reference"))
     parser.add_argument("--html-samples", type=int, default=2, help=_help("html_samples"))
@@ -151,6 +174,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="load dtype (default: as stored)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    """``"0.1,0.5,0.9"`` -> ``(0.1, 0.5, 0.9)``."""
+    try:
+        return tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers such as 0.1,0.5,0.9, got {text!r}"
+        ) from None
 
 
 def _help(name: str) -> str:
@@ -225,6 +258,10 @@ def run(args: argparse.Namespace) -> int:
             difficulty_reference=args.difficulty_reference,
             accuracy=args.accuracy,
             structure_strings=args.structure_strings,
+            frontier=args.frontier,
+            frontier_thresholds=args.frontier_thresholds,
+            frontier_random_draws=args.frontier_draws,
+            frontier_rows_per_level=args.frontier_rows_per_level,
         )
         results = evaluate(
             model,

@@ -120,7 +120,7 @@ def progress_bar(iterable, enabled: bool, **kw):
     return tqdm(iterable, disable=not enabled, leave=False, dynamic_ncols=True, **kw)
 
 
-def flops_per_token(model, info: ModelInfo, depths) -> float:
+def flops_per_token(model, info: ModelInfo, depths, decider: bool = True) -> float:
     """Matmul FLOPs per token at the given exit depths (mean over them).
 
     Looped models: ``retrofit.flops.cost_report`` (decoder layers, updater, decider, LM head as
@@ -130,6 +130,8 @@ def flops_per_token(model, info: ModelInfo, depths) -> float:
 
     Args:
         depths: ``[n]`` exit depths (ignored for a plain model).
+        decider: the method's decider ran (and, for TaH2, every executed depth was read out); False
+            for a forced depth (``depth=d``), which runs no decider and reads out the exit state only.
     """
     if info.looped:
         from retrofit.flops import cost_report
@@ -137,7 +139,7 @@ def flops_per_token(model, info: ModelInfo, depths) -> float:
         d = torch.as_tensor(depths).reshape(-1).long()
         if d.numel() == 0:
             return float("nan")
-        rep = cost_report(model, d)
+        rep = cost_report(model, d, decider=decider)
         return float(rep["flops"]) / rep["n_tokens"]
     layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
     return 2.0 * float(layers + model.get_output_embeddings().weight.numel())

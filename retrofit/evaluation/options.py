@@ -95,6 +95,31 @@ class EvalOptions:
     policy_generation: bool = _help(
         "Also generate under each engine exit policy at its calibrated threshold (accuracy='generate' only).", True
     )
+    frontier: bool = _help(
+        "Measure the accuracy-compute frontier (docs/evaluation.md; needs accuracy='teacher_forced_argmax'): on "
+        "the frontier rows, every model's (FLOPs per answer token, accuracy) — a looped model's decider at its "
+        "own threshold and at each of frontier_thresholds, random allocation at each of those d̄ "
+        "(frontier_random_draws seeded draws, paired test against the decider), every forced depth; a plain "
+        "model's one point — plus the decider's realized gain per decile of its continue probability and the "
+        "break-even d̄. Cost for a model with a decider and t distinct thresholds (its own included), in "
+        "teacher-forced passes over the frontier rows: (t - 1) + t x draws + 1 (fewer where a threshold's "
+        "answer steps all sit at depth 1 or D); other models add nothing.",
+        False,
+    )
+    frontier_thresholds: tuple[float, ...] = _help(
+        "Decider thresholds of the frontier sweep, each in [0, 1] (forward(decider_threshold=)): TaH2's τ_exit "
+        "(higher: shallower), ANIRA-O's cumulative halting mass and ANIRA-E's allocation quantile (higher: "
+        "deeper). The model's own threshold is always a point (the adaptive pass, not run again).",
+        (0.1, 0.3, 0.5, 0.7, 0.9),
+    )
+    frontier_random_draws: int = _help(
+        "Seeded draws of random allocation at each threshold's d̄ (seeds 0..n-1; 0 = no random allocation).", 3
+    )
+    frontier_rows_per_level: int | None = _help(
+        "Rows per level the frontier passes run on (the first ones of each level; None = every row). The "
+        "frontier's passes dominate its cost: cap them here; the rest of the evaluation keeps every row.",
+        None,
+    )
     html_samples: int = _help("Generations per level shown in samples.html.", 2)
     progress: bool = _help("Show progress bars.", True)
     backend: str = _help(
@@ -137,6 +162,24 @@ class EvalOptions:
             raise ValueError(f"answer_sep must be a string, got {type(self.answer_sep).__name__}")
         if not (isinstance(self.confidence, float) and 0.5 <= self.confidence < 1.0):
             raise ValueError(f"confidence must be a float in [0.5, 1), got {self.confidence!r}")
+        if self.frontier and self.accuracy != "teacher_forced_argmax":
+            raise ValueError(
+                "frontier needs accuracy='teacher_forced_argmax' (random allocation of the answer steps is a "
+                f"teacher-forced pass), got accuracy={self.accuracy!r}"
+            )
+        if not isinstance(self.frontier_thresholds, (list, tuple)) or not all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and 0.0 <= t <= 1.0
+            for t in self.frontier_thresholds
+        ):
+            raise ValueError(f"frontier_thresholds must be numbers in [0, 1], got {self.frontier_thresholds!r}")
+        self.frontier_thresholds = tuple(float(t) for t in self.frontier_thresholds)
+        if (
+            isinstance(self.frontier_random_draws, bool)
+            or not isinstance(self.frontier_random_draws, int)
+            or self.frontier_random_draws < 0
+        ):
+            raise ValueError(f"frontier_random_draws must be an int >= 0, got {self.frontier_random_draws!r}")
+        positive_int("frontier_rows_per_level", self.frontier_rows_per_level, allow_none=True)
         if self.difficulty_reference is not None and not isinstance(self.difficulty_reference, str):
             raise ValueError(f"difficulty_reference must be a model name or None, got {self.difficulty_reference!r}")
 

@@ -45,6 +45,20 @@ strings are sorted numerically). Accuracies are fractions in [0, 1] (shown as pe
               "token_difficulty": {"reference": name, **token_difficulty.depth_vs_token_difficulty output},
               "compute_points": [{"label", "accuracy", "accuracy_ci", "mean_depth", "layers_per_token",
                                   "flops_per_token"}],      # the accuracy-vs-compute plot
+              "frontier": {                                    # EvalOptions.frontier (frontier.model_frontier)
+                "rows", "rows_per_level", "passes", "wall_s", "points": [point, ...],
+                # looped models with a decider:
+                "threshold_kind", "own_threshold",
+                "decider_vs_random": {"own" | "<threshold>": {"threshold", "own", "decider_mean_depth",
+                    "random_rate", "random_mean_depth", "decider_flops_per_token", "random_flops_per_token",
+                    "reused_decider_pass", **stats.paired_vs_draws output}},
+                "gain_by_decile": metrics.gain_by_decile output,
+                "break_even_mean_depth": flops.break_even_mean_depth output,
+              },
+                # point = {"model", "policy" ("decider" | "random" | "forced" | "plain"), "key", "label",
+                #          "threshold", "own", "depth" (forced), "seeds", "rate", "target_mean_depth",
+                #          "accuracy_draws", "mean_depth_draws" (random), "mean_depth", "flops_per_token",
+                #          "accuracy", "accuracy_ci" (Wilson), "n"}
             },
           },
         },
@@ -53,6 +67,10 @@ strings are sorted numerically). Accuracies are fractions in [0, 1] (shown as pe
         task_name: {other: {"a": first, "b": other, "levels": {level: cmp}, "train": cmp,
                             "held_out": cmp, "all": cmp}},
             # cmp = stats.paired_comparison output (counts, McNemar p, paired bootstrap)
+      },
+      "frontier": {                                 # EvalOptions.frontier: every model's points, same rows
+        task_name: {"rows", "rows_per_level", "points": [point, ...],
+                    "fixed_control": frontier.fixed_control_comparison output},  # with a `fixed` model
       },
     }
 
@@ -425,6 +443,116 @@ def _token_difficulty_section(task: str, models: dict[str, Mapping[str, Any]]) -
     )
 
 
+def _frontier_section(task: str, results: Mapping[str, Any]) -> list[str]:
+    """The accuracy–compute frontier: every point, decider vs random, gain per decile, break-even, fixed control."""
+    fr = _get(_get(results, "frontier"), task)
+    if not isinstance(fr, Mapping) or not fr.get("points"):
+        return []
+    out = [
+        "### Accuracy–compute frontier",
+        "",
+        f"Frontier rows: {fr.get('rows')} (at most {fr.get('rows_per_level') or 'every'} per level). d̄ and FLOPs "
+        "per answer token over the answer steps (the positions producing the answer tokens and the stop token).",
+        "",
+    ]
+    rows = []
+    for p in fr["points"]:
+        thr = p.get("threshold")
+        rows.append(
+            [
+                str(p.get("model")),
+                str(p.get("policy")) + (" (own)" if p.get("own") else ""),
+                "–" if thr is None else f"{thr:g}",
+                str(p.get("depth", "")) if p.get("policy") == "forced" else "",
+                _fmt(p.get("mean_depth")),
+                _mflops(p.get("flops_per_token")),
+                _pct(p.get("accuracy")) + _interval(p.get("accuracy_ci"), None),
+                _int(p.get("n")),
+            ]
+        )
+    out += _table(["model", "policy", "threshold", "depth", "d̄", "MFLOPs/token", "accuracy", "n"], rows, n_text=2)
+    for name, m in _models(results).items():
+        f = _section(_task(m, task), "frontier")
+        vs = f.get("decider_vs_random") if f else None
+        if vs:
+            rows = []
+            for key, t in vs.items():
+                boot = t.get("bootstrap") or {}
+                ci = boot.get("ci") or [None, None]
+                diff = _num(t.get("difference"))
+                rows.append(
+                    [
+                        str(key),
+                        _fmt(t.get("decider_mean_depth")),
+                        _fmt(t.get("random_mean_depth")),
+                        _fmt(t.get("random_rate"), 3),
+                        _pct(t.get("accuracy_a")),
+                        _pct(t.get("accuracy_b")),
+                        "–" if diff is None else f"{100 * diff:+.1f}",
+                        "–" if _num(ci[0]) is None else f"[{100 * _num(ci[0]):+.1f}, {100 * _num(ci[1]):+.1f}]",
+                        _pval(t.get("sign_flip_p")),
+                        ", ".join(_pval(d.get("mcnemar_p")) for d in t.get("per_draw") or []),
+                    ]
+                )
+            out += [f"**{name}: decider vs random allocation at the same d̄** (same rows; difference in points)", ""]
+            out += _table(
+                [
+                    "threshold",
+                    "d̄ decider",
+                    "d̄ random",
+                    "continue rate",
+                    "acc decider",
+                    "acc random (mean of draws)",
+                    "difference",
+                    "bootstrap 95% CI",
+                    "sign-flip p",
+                    "McNemar p per draw",
+                ],
+                rows,
+            )
+        g = f.get("gain_by_decile") if f else None
+        if g and g.get("bins"):
+            rows = [
+                [
+                    str(b["bin"]),
+                    _int(b["n"]),
+                    _fmt(b["prob_mean"], 3),
+                    _fmt(b["gain_mean"], 4),
+                    _pct(b["share_gain_positive"], 0),
+                ]
+                for b in g["bins"]
+            ]
+            out += [
+                f"**{name}: realized gain ℓ(d) − ℓ(d+1) per decile of the continue probability** "
+                f"({g['n_decisions']} decisions; Spearman over the deciles {_fmt(g.get('spearman'), 3)})",
+                "",
+            ]
+            out += _table(["decile", "decisions", "mean continue prob", "mean gain (nats)", "gain > 0"], rows)
+        be = f.get("break_even_mean_depth") if f else None
+        if be:
+            x = _num(be.get("mean_depth"))
+            out += [
+                f"**{name}: break-even d̄** (FLOPs per token equal to the loop at fixed depth {be.get('max_depth')} "
+                f"without decider or per-depth readout): "
+                + (_fmt(x, 3) if x is not None else f"none — {be.get('reason')}"),
+                "",
+            ]
+    fc = fr.get("fixed_control")
+    if isinstance(fc, Mapping):
+        ci = fc.get("ci") or [None, None]
+        out += [
+            f"**{fc.get('adaptive')} vs the fixed-depth control {fc.get('fixed')} (depth {fc.get('fixed_depth')})**, "
+            f"all {fc.get('n')} rows: {_pct(fc.get('accuracy_adaptive'))} vs {_pct(fc.get('accuracy_fixed'))}, "
+            f"difference {100 * (_num(fc.get('difference')) or 0):+.1f} points, bootstrap 95% CI "
+            + ("–" if _num(ci[0]) is None else f"[{100 * _num(ci[0]):+.1f}, {100 * _num(ci[1]):+.1f}]")
+            + f", McNemar p {_pval(fc.get('mcnemar_p'))}, FLOPs per answer token ratio {_fmt(fc.get('flops_ratio'), 3)}"
+            f" — target (lower bound > −{100 * fc.get('margin', 0):.0f} points at ≤ {fc.get('max_flops_ratio')}× "
+            f"FLOPs) {'met' if fc.get('meets') else 'not met'}.",
+            "",
+        ]
+    return out
+
+
 def write_markdown_report(
     results: Mapping[str, Any],
     path: str | os.PathLike,
@@ -436,8 +564,8 @@ def write_markdown_report(
     Sections (each skipped when its data is missing): run configuration; per task: accuracy
     (with its interval), d̄, d̄/D, Cost_exec and compute per answer token per level (one column per
     model); paired comparisons; per-token depth vs difficulty; test-time scaling by forced depth;
-    exit-policy comparison; Spearman correlations and regressions; first-vs-last loss change;
-    finally the plots, embedded as images.
+    exit-policy comparison; Spearman correlations and regressions; first-vs-last loss change; the
+    accuracy–compute frontier (``results["frontier"]``); finally the plots, embedded as images.
 
     Args:
         results: the results dict.
@@ -473,6 +601,7 @@ def write_markdown_report(
             + _policies_table(task, models)
             + _correlation_section(task, models)
             + _loss_change_section(task, models)
+            + _frontier_section(task, results)
         )
         lines += [f"## Task: {task}", ""] + (body or ["_No results for this task._", ""])
     if plots:

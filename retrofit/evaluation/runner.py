@@ -14,8 +14,9 @@ Example::
 The package, by idea: :mod:`.options` (``EvalOptions``), :mod:`.models` (model facts, batching,
 FLOPs per token), :mod:`.rows` (rows and tokenization), :mod:`.decoding` (greedy generation),
 :mod:`.teacher_forced` (teacher-forced passes, greedy exact match from one forward),
-:mod:`.policies` (exit policies at equal compute), :mod:`.structure` (LANO/BREVO on the model's
-own strings), :mod:`.task_eval` (one model, one task), this module (several models, paired
+:mod:`.policies` (exit policies at equal compute), :mod:`.frontier` (the accuracy–compute frontier:
+threshold sweep, random allocation at the same d̄, gain per decile, break-even d̄), :mod:`.structure`
+(LANO/BREVO on the model's own strings), :mod:`.task_eval` (one model, one task), this module (several models, paired
 comparisons), :mod:`.artifacts` (files), :mod:`.cli` (``retrofit eval``); pure functions in
 :mod:`.analysis`, :mod:`.metrics`, :mod:`.stats` (intervals, paired tests, rows needed) and
 :mod:`.token_difficulty`; output in :mod:`.report`, :mod:`.jsonio`, :mod:`.plots`, :mod:`.html`.
@@ -115,7 +116,9 @@ def evaluate(
 
     Besides each model's own results, the first model (``name``) is compared with every other one
     on the same rows (``results["comparisons"]``: exact McNemar and a paired bootstrap per level,
-    over training levels, held-out levels and all rows; :mod:`.stats`), and each looped model's
+    over training levels, held-out levels and all rows; :mod:`.stats`); with ``frontier=True`` every
+    model's frontier points are gathered in ``results["frontier"]`` (with the fixed-control comparison
+    when a ``fixed`` looped model is compared with an adaptive first one; :mod:`.frontier`); and each looped model's
     per-token exit depth is set against a non-looped reference model's per-token loss
     (``token_difficulty`` in its task entry; :mod:`.token_difficulty`).
 
@@ -212,6 +215,11 @@ def evaluate(
         results["comparisons"] = {
             t.name: _comparisons(name, arrays[t.name], results["models"], t.name, opts) for t in task_objs
         }
+    if opts.frontier:
+        results["frontier"] = {
+            t.name: _frontier(name, [m[0] for m in models], arrays[t.name], results["models"], t.name, opts)
+            for t in task_objs
+        }
     if reference is not None:
         for t in task_objs:
             for mname, _, _ in models:
@@ -253,6 +261,41 @@ def _comparisons(primary: str, arrays: dict[str, TaskArrays], models: dict, task
         for other, arr in arrays.items()
         if other != primary
     }
+
+
+def _frontier(primary: str, names: list[str], arrays: dict[str, TaskArrays], models: dict, task: str, opts) -> dict:
+    """``results["frontier"][task]``: every model's frontier points on the same rows, and — when the run has a
+    looped model without a decider (the ``fixed`` control) next to a primary model with one — the
+    fixed-control comparison (:func:`.frontier.fixed_control_comparison`)."""
+    from .frontier import fixed_control_comparison
+
+    entries = {n: models[n]["tasks"][task] for n in names}
+    out: dict[str, Any] = {
+        "rows": entries[primary]["frontier"]["rows"],
+        "rows_per_level": opts.frontier_rows_per_level,
+        "points": [p for n in names for p in entries[n]["frontier"]["points"]],
+    }
+    prim = entries[primary]
+    fixed = next((n for n in names if n != primary and entries[n]["looped"] and entries[n]["method"] == "fixed"), None)
+    if prim["looped"] and prim["method"] != "fixed" and fixed is not None:
+        levels = list(prim["levels"])
+        row_level = np.asarray(arrays[primary].levels, dtype=object)
+        is_train = np.array([split_of(lv, prim.get("train_levels", [])) == "train" for lv in row_level], dtype=bool)
+        a, f = arrays[primary].correct, arrays[fixed].correct
+        out["fixed_control"] = fixed_control_comparison(
+            primary,
+            fixed,
+            a,
+            f,
+            prim["overall"]["gen_flops_per_token"],
+            entries[fixed]["overall"]["gen_flops_per_token"],
+            paired_by_split(a, f, row_level, levels, is_train, opts),
+            arrays[primary].frontier,
+            arrays[fixed].frontier,
+            entries[fixed]["max_depth"],
+            opts,
+        )
+    return out
 
 
 def _token_difficulty(entry: dict, looped: TaskArrays, ref: TaskArrays, ref_name: str) -> None:

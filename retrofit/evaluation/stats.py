@@ -9,6 +9,8 @@ Functions:
     mcnemar_exact       Exact McNemar test: two-sided binomial test on the discordant pairs.
     paired_bootstrap    Bootstrap of the accuracy difference over rows (seeded), interval and p-value.
     paired_comparison   Both tests plus the 2x2 counts, for JSON.
+    sign_flip_exact     Exact sign-flip (randomization) test of paired integer scores.
+    paired_vs_draws     One model's outcome vs the mean of several random draws per row (decider vs random).
     rows_needed         Rows per level to detect a given accuracy difference (assumptions stated there).
     mcnemar_power       Exact power of the exact McNemar test (enumeration), to check ``rows_needed``.
 """
@@ -26,7 +28,9 @@ __all__ = [
     "mcnemar_power",
     "paired_bootstrap",
     "paired_comparison",
+    "paired_vs_draws",
     "rows_needed",
+    "sign_flip_exact",
     "wilson_interval",
 ]
 
@@ -119,13 +123,17 @@ def paired_bootstrap(
     a, b = _as_bool(a_correct, "a_correct"), _as_bool(b_correct, "b_correct")
     if a.shape != b.shape:
         raise ValueError(f"a_correct has {a.size} rows but b_correct has {b.size}")
+    return _bootstrap_mean(a.astype(np.float64) - b.astype(np.float64), n_boot, seed, confidence)
+
+
+def _bootstrap_mean(d: np.ndarray, n_boot: int, seed: int, confidence: float) -> dict[str, Any]:
+    """Percentile bootstrap of the mean of per-row differences ``d`` ``[n]`` (see :func:`paired_bootstrap`)."""
     if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 1:
         raise ValueError(f"n_boot must be a positive int, got {n_boot!r}")
-    n = a.size
+    n = d.size
     if n == 0:
         nan = float("nan")
         return {"difference": nan, "ci": [nan, nan], "p_value": nan, "n_boot": n_boot, "seed": seed}
-    d = a.astype(np.float64) - b.astype(np.float64)
     diff = float(d.mean())
     rng = np.random.default_rng(seed)
     boot = np.empty(n_boot)
@@ -173,6 +181,99 @@ def paired_comparison(
         "both_wrong": int((~a & ~b).sum()),
         "mcnemar_p": mcnemar_exact(a_only, b_only),
         "bootstrap": paired_bootstrap(a, b, n_boot=n_boot, seed=seed, confidence=confidence),
+    }
+
+
+def sign_flip_exact(scores: Any) -> float:
+    """Exact two-sided sign-flip (randomization) test of paired integer scores.
+
+    Under H0 the two members of each pair are exchangeable, so each row's score ``e_r`` is as likely
+    to have been ``−e_r``: the p-value is ``P(|Σ ε_r e_r| >= |Σ e_r|)`` over all ``2^n`` sign vectors
+    ``ε`` with equal weight. Integer scores make the null distribution of the sum a convolution of
+    two-point distributions on a grid of ``2·Σ|e_r| + 1`` values, computed exactly (up to float
+    rounding of the probabilities) in ``O(n · Σ|e_r|)`` — no Monte-Carlo error, whatever ``n``. With
+    scores in {−1, 0, 1} (a single pair of 0/1 outcomes per row) it equals :func:`mcnemar_exact`.
+
+    Args:
+        scores: ``[n]`` integers (e.g. ``k·a_r − Σ_j b_rj`` for one outcome against ``k`` draws).
+
+    Returns:
+        p in (0, 1]; 1.0 when every score is 0.
+    """
+    e = np.asarray(scores).reshape(-1)
+    if e.size and not np.all(np.equal(np.mod(e, 1), 0)):
+        raise ValueError("sign_flip_exact needs integer scores")
+    e = np.abs(e.astype(np.int64))
+    e = e[e != 0]
+    observed = abs(int(np.asarray(scores).astype(np.int64).sum()))
+    if e.size == 0:
+        return 1.0
+    total = int(e.sum())
+    prob = np.zeros(2 * total + 1)  # prob[s + total] = P(Σ = s) over the signs drawn so far
+    prob[total] = 1.0
+    for v in e.tolist():
+        nxt = np.zeros_like(prob)
+        nxt[v:] += 0.5 * prob[:-v]
+        nxt[:-v] += 0.5 * prob[v:]
+        prob = nxt
+    sums = np.arange(-total, total + 1)
+    return float(min(1.0, prob[np.abs(sums) >= observed].sum()))
+
+
+def paired_vs_draws(
+    a_correct: Any, b_draws: Any, n_boot: int = 10_000, seed: int = 0, confidence: float = 0.95
+) -> dict[str, Any]:
+    """One deterministic model (A) against a randomized one (B) drawn ``k`` times, on the same rows.
+
+    The decider-vs-random-allocation test of the accuracy–compute frontier: per row ``r``, ``a_r`` in
+    {0, 1} is A's outcome and ``b_r`` = the mean of B's outcomes over the ``k`` draws (in [0, 1]); the
+    per-row difference ``d_r = a_r − b_r`` averages out B's own randomness before the rows are compared.
+
+    * ``difference`` = mean of ``d_r`` = acc(A) − mean over draws of acc(B);
+    * ``bootstrap``: the paired bootstrap of the mean of ``d_r`` over rows (:func:`paired_bootstrap`'s
+      resampling, interval and p-value, on the real-valued ``d_r``);
+    * ``sign_flip_p``: exact sign-flip p-value of ``Σ d_r`` (:func:`sign_flip_exact` on ``k·d_r``,
+      integers): H0 = on every row, A's allocation and a random one are exchangeable;
+    * ``per_draw``: A against each single draw, with its exact McNemar p (:func:`mcnemar_exact`).
+
+    Args:
+        a_correct: ``[n]`` A's per-row correctness.
+        b_draws: ``[k, n]`` B's per-row correctness, one row per draw (``[n]`` = one draw).
+        n_boot, seed, confidence: as in :func:`paired_bootstrap`.
+
+    Returns:
+        ``{"n", "draws", "accuracy_a", "accuracy_b", "difference", "bootstrap", "sign_flip_p", "per_draw":
+        [{"accuracy_b", "a_only", "b_only", "mcnemar_p"}, ...]}``.
+    """
+    a = _as_bool(a_correct, "a_correct")
+    b = np.asarray(b_draws)
+    b = b.reshape(1, -1) if b.ndim == 1 else b
+    if b.ndim != 2 or b.shape[1] != a.size or b.shape[0] < 1:
+        raise ValueError(f"b_draws must be [k, {a.size}] (k >= 1 draws of the same rows), got shape {b.shape}")
+    b = np.stack([_as_bool(x, "b_draws") for x in b])
+    k, n = b.shape
+    scores = k * a.astype(np.int64) - b.sum(0).astype(np.int64)  # k · d_r, integers
+    nan = float("nan")
+    per_draw = []
+    for x in b:
+        a_only, b_only = int((a & ~x).sum()), int((~a & x).sum())
+        per_draw.append(
+            {
+                "accuracy_b": float(x.mean()) if n else nan,
+                "a_only": a_only,
+                "b_only": b_only,
+                "mcnemar_p": mcnemar_exact(a_only, b_only),
+            }
+        )
+    return {
+        "n": int(n),
+        "draws": int(k),
+        "accuracy_a": float(a.mean()) if n else nan,
+        "accuracy_b": float(b.mean()) if n else nan,
+        "difference": float(scores.mean() / k) if n else nan,
+        "bootstrap": _bootstrap_mean(scores.astype(np.float64) / k, n_boot, seed, confidence),
+        "sign_flip_p": sign_flip_exact(scores),
+        "per_draw": per_draw,
     }
 
 

@@ -16,6 +16,12 @@ What is measured (options: :class:`~retrofit.evaluation.options.EvalOptions`):
   BREVO regression, and — from the depth-D forward — per-depth token accuracy, the
   first-vs-last depth loss change and the exit-policy comparison (:mod:`~retrofit.evaluation.policies`).
 
+* **The accuracy–compute frontier** (``frontier=True``, :mod:`~retrofit.evaluation.frontier`): on the
+  frontier rows, (FLOPs per answer token, accuracy) of the decider's threshold sweep, random allocation
+  at each threshold's d̄, every forced depth (or the plain model's one point), the decider-vs-random
+  paired tests, the realized gain per decile of the continue probability and the break-even d̄. The
+  adaptive pass and the forced-depth curve are reused, subset to the frontier rows.
+
 A plain (non-looped) model is evaluated at its only depth (D = 1): accuracy, token accuracy and
 layer counts, no depth statistics.
 """
@@ -30,6 +36,7 @@ import numpy as np
 
 from . import analysis as A
 from .decoding import greedy_generate, stop_rule
+from .frontier import FrontierArrays, model_frontier
 from .metrics import accuracy_by_level, cost_exec, flops_ratio, loss_change_stats, spearman
 from .models import flops_per_token, model_info, pad_id
 from .options import DEFAULT_N, EvalOptions, resolve_options
@@ -54,6 +61,8 @@ class TaskArrays:
         nll: per example, ``[m]`` teacher-forced loss of each answer token (producing position).
         pred_depth: per example, ``[m]`` exit depth of the producing position (looped models) or None.
         max_depth: D.
+        step_depths: per example, the depths of its decoding steps (``[m + 1]`` teacher-forced).
+        frontier: the per-row outcomes of the model's frontier points (``EvalOptions.frontier``) or None.
     """
 
     levels: list
@@ -63,6 +72,8 @@ class TaskArrays:
     nll: list[np.ndarray]
     pred_depth: list[np.ndarray] | None
     max_depth: int
+    step_depths: list[np.ndarray] | None = None
+    frontier: FrontierArrays | None = None
 
 
 def evaluate_task(
@@ -217,8 +228,9 @@ def _evaluate_task(
 
     compute_points: list[dict[str, Any]] = []
 
-    def point(label, c: np.ndarray, depths) -> None:
-        """A point of the accuracy-vs-compute plot: compute per generated token at these depths."""
+    def point(label, c: np.ndarray, depths, decider: bool = True) -> None:
+        """A point of the accuracy-vs-compute plot: compute per generated token at these depths (``decider``:
+        the method's decider ran; a forced depth runs none)."""
         depths = np.asarray(depths, dtype=np.int64)
         if info.looped and depths.size == 0:
             return
@@ -230,7 +242,7 @@ def _evaluate_task(
                 "accuracy_ci": ci(c),
                 "mean_depth": d_mean if info.looped else None,
                 "layers_per_token": info.layers(d_mean),
-                "flops_per_token": flops_per_token(model, info, depths),
+                "flops_per_token": flops_per_token(model, info, depths, decider=decider),
             }
         )
 
@@ -329,12 +341,14 @@ def _evaluate_task(
             gen_mean_depth=gd,
             flops=flops_ratio(c["mean_depth"], D, info.n_layers, info.prelude, info.core, info.coda),
             gen_layers_per_token=info.layers(gd) if math.isfinite(gd) else float("nan"),
+            gen_flops_per_token=flops_per_token(model, info, gen_depths(steps)),
             layers_per_token=info.layers(c["mean_depth"]),
             flops_per_token=flops_per_token(model, info, depths),
         )
     else:
         overall.update(
             gen_layers_per_token=float(info.n_layers),
+            gen_flops_per_token=flops_per_token(model, info, []),
             layers_per_token=float(info.n_layers),
             flops_per_token=flops_per_token(model, info, []),
         )
@@ -346,6 +360,7 @@ def _evaluate_task(
     result["overall"] = overall
 
     # --- forced depths (test-time scaling) -------------------------------------------------------
+    by_depth = None
     if info.looped:
         if opts.forced_depths:
             forced_acc: dict[int, float] = {}
@@ -367,7 +382,7 @@ def _evaluate_task(
                     lvl: float(np.mean([c for c, e in zip(c_d, examples) if e.level == lvl])) for lvl in levels_sorted
                 }
                 forced_correct[d] = c_d
-                point(d, c_d, [d])
+                point(d, c_d, [d], decider=False)
             result["forced_depth_accuracy"] = forced_acc
             result["forced_depth_accuracy_by_level"] = forced_by_level
             # does depth at inference matter? the adaptive exits vs every forced depth, paired on the same rows
@@ -425,6 +440,14 @@ def _evaluate_task(
 
     result["compute_points"] = compute_points
 
+    # --- the accuracy-compute frontier -----------------------------------------------------------
+    frontier = None
+    if opts.frontier:
+        # the adaptive pass (tf) and the forced-depth curve (by_depth) are reused, subset to the frontier rows
+        result["frontier"], frontier = model_frontier(
+            model, info, examples, pad, opts, is_stop, max_new, tag, name, tf, by_depth
+        )
+
     # --- samples for samples.html ------------------------------------------------------------
     samples = []
     for lvl in levels_sorted:
@@ -456,6 +479,8 @@ def _evaluate_task(
         nll=[t["nll"] for t in tf],
         pred_depth=[t["pred_depth"] for t in tf] if info.looped else None,
         max_depth=D,
+        step_depths=[np.asarray(x, dtype=np.int64) for x in steps],
+        frontier=frontier,
     )
     return result, arrays
 

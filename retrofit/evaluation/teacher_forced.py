@@ -28,7 +28,7 @@ tokens (none does). The depths of the steps that would produce ``gold + stop`` a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -204,6 +204,7 @@ def argmax_pass(
     is_stop,
     max_new_tokens: int,
     desc: str,
+    policy_for_batch: Callable[[int, list[int], list[int], int], Any] | None = None,
     **forward_kw,
 ) -> list[dict[str, Any]]:
     """Greedy exact match from one teacher-forced forward per batch (module docstring).
@@ -211,8 +212,12 @@ def argmax_pass(
     Args:
         is_stop: ``token id -> bool``, the generation stop rule.
         max_new_tokens: the generation budget the result stands for.
+        policy_for_batch: ``(batch index, starts, answer lengths, T) -> exit policy`` passed as this batch's
+            ``exit_policy=``: a policy that needs the batch's layout (``RandomContinue`` with ``where`` = the
+            answer steps, seeded per batch). ``starts[r]`` is row ``r``'s first answer position in the
+            left-padded ``[B, T]`` batch (:func:`tf_batch`). Batches are numbered in the order they run.
         **forward_kw: exit control of the looped forward (``depth=``, ``exit_policy=``,
-            ``exit_threshold=``); ignored for a plain model.
+            ``exit_threshold=``, ``decider_threshold=``); ignored for a plain model.
 
     Returns:
         Per example ``{"row_correct": bool, "step_depths": [m + 1] int (1 for a plain model),
@@ -220,13 +225,19 @@ def argmax_pass(
     """
     dev = device(model)
     res: list[dict[str, Any] | None] = [None] * len(examples)
-    for chunk in progress_bar(
-        list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
+    for b, chunk in enumerate(
+        progress_bar(list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch")
     ):
         exs = [examples[i] for i in chunk]
         ids, mask, starts = tf_batch(exs, pad, dev)
         keep = _logits_kept(exs)
-        out = forward(model, info, ids, mask, logits_to_keep=keep, **forward_kw)
+        kw = forward_kw
+        if policy_for_batch is not None:
+            kw = {
+                **forward_kw,
+                "exit_policy": policy_for_batch(b, starts, [len(e.answer_ids) for e in exs], ids.shape[1]),
+            }
+        out = forward(model, info, ids, mask, logits_to_keep=keep, **kw)
         top = out.logits.argmax(-1)  # [B, keep]: positions T - keep .. T - 1
         off = ids.shape[1] - keep
         for r, (i, e) in enumerate(zip(chunk, exs)):

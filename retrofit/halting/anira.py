@@ -1,10 +1,12 @@
 """ANIRA: early (E) and online (O) depth decisions with a KL-to-geometric-prior loss (docs/anira.md).
 
 - ANIRA-E: ``q_i = softmax(FFN(h_i^(0)))`` over depths ``1 … D``, one decision before the loop.
-  Training: straight-through Gumbel-softmax sample; inference: ``argmax_d q_i(d)``.
+  Training: straight-through Gumbel-softmax sample; inference: ``argmax_d q_i(d)``, or with a call-time
+  threshold ``u`` (``forward(decider_threshold=u)``) the first depth whose cumulative mass reaches ``u``.
 - ANIRA-O: after each depth, ``α_i^(d) = σ(FFN(h_i^(d)))`` is the halting probability;
   ``q_i(d) = α^(d) Π_{j<d} (1 - α^(j))``, the remaining mass at ``D``. Training: inverse-CDF
-  sampling with ``u ~ U(0, 1)``; inference: ``u = halt_threshold`` (0.5 = the median depth).
+  sampling with ``u ~ U(0, 1)``; inference: ``u = halt_threshold`` (0.5 = the median depth; a call may
+  pass its own, ``forward(decider_threshold=u)``).
 
 In both, the straight-through weights ``z = hard + q_soft - q_soft.detach()`` combine the per-depth
 (passthrough) states for the coda, ``Σ_d z_d h^(d)``: the forward value is the exit state, the
@@ -101,6 +103,10 @@ class AniraEarly(HaltingMethod):
             y = ((logits + g) / self.loop.gumbel_tau).softmax(-1)
             depth = y.argmax(-1) + 1
             ctx.extra["soft"] = y
+        elif ctx.threshold is not None:
+            # allocation quantile u: the first depth whose cumulative mass under q reaches u (a compute knob
+            # for the accuracy-compute frontier; u -> 0 is shallow, u -> 1 deep)
+            depth = (q.cumsum(-1) < ctx.threshold).sum(-1).clamp_max(q.shape[-1] - 1) + 1
         else:
             depth = q.argmax(-1) + 1
         return depth
@@ -134,7 +140,8 @@ class AniraOnline(HaltingMethod):
         if ctx.training:
             ctx.extra["u"] = torch.rand(B, T, device=e.device)
         else:
-            ctx.extra["u"] = torch.full((B, T), self.loop.halt_threshold, device=e.device)
+            u = self.loop.halt_threshold if ctx.threshold is None else ctx.threshold
+            ctx.extra["u"] = torch.full((B, T), u, device=e.device)
         ctx.extra["cdf"] = torch.zeros(B, T, device=e.device)
         ctx.extra["remain"] = torch.ones(B, T, device=e.device)
         return None

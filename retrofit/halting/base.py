@@ -24,7 +24,7 @@ The model's forward calls it with ``cfg = LoopConfig.loss_config`` whenever it g
 to ``loss`` and exposes it as ``aux_loss`` (the mixture-of-experts convention TRL's trainers know).
 A method whose loss reads per-depth next-token losses sets ``needs_depth_losses`` (TaH2: the
 forward then runs the lookahead iteration). ``train_forward_kwargs(cfg)`` gives trainer-side
-extra forward arguments (``fixed``'s random depth per batch).
+extra forward arguments (``fixed``'s random depth per batch, TaH2's threshold warm-up).
 
 ``ctx`` is a ``HaltContext`` created per forward: all per-call state lives there, so a module can
 serve concurrent forwards and checkpoint recomputation.
@@ -63,6 +63,9 @@ class HaltContext:
     max_depth: int
     signals: list[torch.Tensor] = field(default_factory=list)  # one [B, T] per decided depth
     extra: dict = field(default_factory=dict)
+    #: this call's decision threshold, replacing the method's own (``forward(decider_threshold=)``): TaH2's
+    #: τ_exit, ANIRA-O's cumulative halting mass, ANIRA-E's quantile of q; None = the ``LoopConfig``'s
+    threshold: float | None = None
 
 
 class DepthCombiner:
@@ -129,8 +132,8 @@ class HaltingMethod(nn.Module):
         """Output = halting-weighted mixture of per-depth distributions (TaH2 only)."""
         return False
 
-    def new_context(self, training: bool) -> HaltContext:
-        return HaltContext(training=training, max_depth=self.loop.max_depth)
+    def new_context(self, training: bool, threshold: float | None = None) -> HaltContext:
+        return HaltContext(training=training, max_depth=self.loop.max_depth, threshold=threshold)
 
     def plan(self, e: torch.Tensor, ctx: HaltContext) -> torch.Tensor | None:
         return None
@@ -150,8 +153,9 @@ class HaltingMethod(nn.Module):
     #: the loss reads ``outputs.depth_nll``: the forward computes it (and the lookahead iteration)
     needs_depth_losses: bool = False
 
-    def train_forward_kwargs(self, cfg) -> dict:
-        """Extra forward keyword arguments for one training step (``cfg``: the trainer's config)."""
+    def train_forward_kwargs(self, cfg, step: int = 0) -> dict:
+        """Extra forward keyword arguments for one training step (``cfg``: the trainer's config; ``step``:
+        the optimizer steps done so far, for schedules such as TaH2's threshold warm-up)."""
         return {}
 
     def loss(

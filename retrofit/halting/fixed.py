@@ -59,7 +59,7 @@ def sample_poisson_lognormal_depth(
 class FixedDepth(HaltingMethod):
     name = "fixed"
 
-    def train_forward_kwargs(self, cfg) -> dict:
+    def train_forward_kwargs(self, cfg, step: int = 0) -> dict:
         """``{"depth": r}`` with a Poisson-lognormal ``r`` when ``cfg.random_depth`` is set.
 
         ``cfg.random_depth_mean`` (``None`` = ``(D + 1) / 2``) and ``cfg.random_depth_sigma`` are the

@@ -2,7 +2,10 @@
 
 Decider (after each depth ``d < D``)::
 
-    c_t^(d) = σ(FFN([e_t ; h_t^(d) ; top-K of softmax(z_t^(d))]))      continue probability
+    c_t^(d) = σ(decider(e_t, h_t^(d), top-K of softmax(z_t^(d))))      continue probability
+
+``decider`` is the release's ``SwiGLUDecider`` (each part RMS-normed on its own; score layer N(0, 0.01),
+so p ≈ 0.5 at init) or the older ``DeciderFFN`` (``LoopConfig.decider_arch``).
 
 A token stops at the first ``d`` with ``c < τ_exit`` (0.5), else runs to ``D``. The rule is the same
 in training (on-policy); the seed's "sampled decisions" ablation draws Bernoulli(c) instead.
@@ -21,9 +24,10 @@ Training loss (§3, "lookahead depth supervision")::
     L = L_NTP(mixture) + α_D · L_D,     α_D = 0.05
 
 ``L_NTP`` is the model's own ``outputs.loss`` (NLL of the mixture). ``L_D`` is a cost-sensitive BCE
-on the continue probabilities against lookahead labels built by ``lookahead_labels`` from the
+on the continue logits against lookahead labels built by ``lookahead_labels`` from the
 per-token loss gains ``δ^(d) = ℓ^(d) - ℓ^(d+1)``; see that function for the exact rule, and
-``decider_loss`` for the weighting.
+``decider_loss`` for the weighting and the guards of the authors' release (dynamic ``pos_weight``,
+clamped costs, normalization by tokens, a logit margin).
 
 The cutoff κ is computed from the gains of *one* forward: under data parallelism each process
 (and, with gradient accumulation, each micro-batch) uses its own κ. We do not all-gather the gains:
@@ -39,39 +43,59 @@ import torch
 import torch.nn.functional as F
 
 from ..config import LoopConfig
-from ..heads import DeciderFFN
+from ..heads import DeciderFFN, SwiGLUDecider
 from .base import AuxLoss, DepthCombiner, ExitLogits, HaltContext, HaltingMethod, LossConfig
 
 
 class TaH2(HaltingMethod):
     name = "tah2"
-    needs_depth_readout = True
 
     def __init__(self, hidden_size: int, loop: LoopConfig):
         super().__init__(hidden_size, loop)
         self.top_k = loop.decider_top_k
-        # starts deep: continue logit = +deep_init_logit for every token
-        self.decider = DeciderFFN(2 * hidden_size + self.top_k, self.decider_hidden, 1, loop.deep_init_logit)
+        self.arch = loop.decider_arch
+        if self.arch == "swiglu":
+            parts = [hidden_size, hidden_size] + ([self.top_k] if self.top_k else [])
+            self.decider = SwiGLUDecider(parts, self.decider_hidden, 1, loop.decider_init_std)
+        else:  # "ffn": starts deep, continue logit = +deep_init_logit for every token
+            self.decider = DeciderFFN(2 * hidden_size + self.top_k, self.decider_hidden, 1, loop.deep_init_logit)
 
     @property
     def mixture_output(self) -> bool:
         return self.loop.mixture_output
 
-    def continue_prob(self, e: torch.Tensor, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """``e``, ``h``: ``[B, T, H]``; ``probs``: ``[B, T, V]`` -> continue probability ``[B, T]``."""
-        k = min(self.top_k, probs.shape[-1])
-        top = probs.detach().topk(k, dim=-1).values
-        if k < self.top_k:
-            top = torch.nn.functional.pad(top, (0, self.top_k - k))
-        x = torch.cat([e, h, top.to(h.dtype)], dim=-1)
-        return torch.sigmoid(self.decider(x).squeeze(-1).float())
+    @property
+    def needs_depth_readout(self) -> bool:
+        """The decider reads the depth's top-K probabilities, or the output mixes every depth."""
+        return self.top_k > 0 or self.loop.mixture_output
+
+    def continue_logit(self, e: torch.Tensor, h: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        """``e``, ``h``: ``[..., H]``; ``probs``: ``[..., V]`` (None when ``decider_top_k == 0``) -> the
+        continue logit ``[...]`` (float32)."""
+        parts = [e, h]
+        if self.top_k:
+            k = min(self.top_k, probs.shape[-1])
+            top = probs.detach().topk(k, dim=-1).values
+            if k < self.top_k:
+                top = F.pad(top, (0, self.top_k - k))
+            parts.append(top.to(h.dtype))
+        if self.arch == "swiglu":
+            return self.decider(*parts).squeeze(-1).float()
+        return self.decider(torch.cat(parts, dim=-1)).squeeze(-1).float()
+
+    def continue_prob(self, e: torch.Tensor, h: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        """``σ(continue_logit)``: the probability to continue ``[...]``."""
+        return torch.sigmoid(self.continue_logit(e, h, probs))
 
     def step(self, d, e, h, probs, ctx: HaltContext):
-        c = self.continue_prob(e, h, probs)
+        logit = self.continue_logit(e, h, probs)
+        c = torch.sigmoid(logit)
         ctx.signals.append(c)
+        ctx.extra.setdefault("halt_logits", []).append(logit)
         if ctx.training and self.loop.train_decisions == "sample":
             return torch.bernoulli(c.detach()).bool()
-        return c >= self.loop.exit_threshold
+        tau = self.loop.exit_threshold if ctx.threshold is None else ctx.threshold
+        return c >= tau
 
     def combiner(self, ctx: HaltContext) -> DepthCombiner:
         """The mixture of the per-depth distributions (or, as the ablation, the exit depth's logits)."""
@@ -84,24 +108,36 @@ class TaH2(HaltingMethod):
     # -- training ------------------------------------------------------------------------------
     needs_depth_losses = True
 
+    def train_forward_kwargs(self, cfg, step: int = 0) -> dict:
+        """The release's threshold warm-up (``cfg.threshold_warmup_steps`` = its ``base_warmup_steps``):
+        during the first ``W`` optimizer steps the training decisions use ``τ · step / W`` instead of
+        ``τ``, so early on (nearly) every token continues and every depth gets trained."""
+        w = getattr(cfg, "threshold_warmup_steps", 0) or 0
+        if w > 0 and step < w:
+            return {"decider_threshold": self.loop.exit_threshold * step / w}
+        return {}
+
     def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None) -> AuxLoss | None:
-        """``α_D · L_D`` (§3) from ``outputs.depth_nll`` and ``outputs.halt_signals``.
+        """``α_D · L_D`` (§3) from ``outputs.depth_nll`` and the decider's logits ``outputs.halt_logits``.
 
         Only positions with a next-token label (``labels[:, t + 1] != -100``) get decider labels:
         the gain ``δ`` is undefined elsewhere. ``attention_mask`` is not needed (padding has
         label -100).
         """
-        if outputs.halt_signals is None:  # max_depth == 1: no decision was made
+        if outputs.halt_signals is None:  # max_depth == 1 (or a depth cap of 1): no decision was made
             return None
         if outputs.depth_nll is None:
             raise ValueError(
                 "TaH2's decider loss needs outputs.depth_nll: call the model with labels= and the auxiliary loss "
                 "on (output_router_logits, default config.output_router_logits), or with output_depth_losses=True"
             )
-        lab = lookahead_labels(
-            outputs.depth_nll, next_token_mask(labels), cfg.rho, n_decisions=outputs.halt_signals.shape[-1]
-        )
-        l_d, metrics = decider_loss(outputs.halt_signals, lab, cfg.decider_weighting, self.loop.exit_threshold)
+        mask = next_token_mask(labels)
+        lab = lookahead_labels(outputs.depth_nll, mask, cfg.rho, n_decisions=outputs.halt_signals.shape[-1])
+        logits = outputs.halt_logits
+        if logits is None:  # a caller that kept only the probabilities
+            c = outputs.halt_signals.float().clamp(1e-7, 1 - 1e-7)
+            logits = c.log() - (-c).log1p()
+        l_d, metrics = decider_loss(logits, lab, cfg, n_tokens=mask.sum(), exit_threshold=self.loop.exit_threshold)
         return AuxLoss(cfg.alpha_d * l_d, metrics)
 
 
@@ -279,43 +315,97 @@ def lookahead_labels(
     return LookaheadLabels(delta=delta, decided=decided, labels=labels.to(delta.dtype), weights=weights, kappa=kappa)
 
 
-def decider_loss(
-    cont: torch.Tensor, lab: LookaheadLabels, weighting: str = "distance", exit_threshold: float = 0.5
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Cost-sensitive BCE of the continue probabilities against the lookahead labels (§3).
+DYN_POS_WEIGHT_RANGE = (0.02, 50.0)  # the release's clamp of the dynamic pos_weight
 
-    ``L_D = Σ w · BCE(c^(d), y^(d)) / Σ w`` over the decisions that were made, with
-    ``w = |δ - κ|`` (``weighting="distance"``: decisions far from the cutoff matter most) or
-    ``w = 1`` (``"uniform"``, the seed's ablation). A batch whose weights sum to 0 gives 0.
+
+def dynamic_pos_weight(y: torch.Tensor, decided: torch.Tensor) -> torch.Tensor:
+    """The release's BCE ``pos_weight`` per decision depth: ``#negatives / #positives`` among the decisions
+    made there, clamped to ``[0.02, 50]``; 1 where either class is absent.
 
     Args:
-        cont: ``[B, T, k]`` continue probabilities ``c^(1..k)`` (``outputs.halt_signals``).
-        lab: ``lookahead_labels`` output with ``K ≥ k`` or ``K ≤ k`` (the common prefix is used).
-        weighting: ``"distance"`` or ``"uniform"``.
+        y: ``[..., K]`` 0/1 labels; decided: ``[..., K]`` bool, the decision was made.
+
+    Returns:
+        ``[K]`` float32. Under ``torch.distributed`` the counts are summed over all ranks first (one
+        fixed-size all-reduce), as the release does, so every rank weighs the same.
+    """
+    K = y.shape[-1]
+    yf, m = y.reshape(-1, K).float(), decided.reshape(-1, K)
+    pos = (yf * m).sum(0)
+    neg = ((1 - yf) * m).sum(0)
+    counts = torch.stack([pos, neg])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts)
+    pos, neg = counts
+    ratio = (neg / pos.clamp_min(1)).clamp(*DYN_POS_WEIGHT_RANGE)
+    return torch.where((pos > 0) & (neg > 0), ratio, torch.ones_like(ratio))
+
+
+def decider_loss(
+    logits: torch.Tensor,
+    lab: LookaheadLabels,
+    cfg: LossConfig | None = None,
+    n_tokens: torch.Tensor | int | None = None,
+    exit_threshold: float = 0.5,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Cost-sensitive BCE of the continue logits against the lookahead labels (§3, and the release's guards).
+
+    Per decision ``(t, d)`` made on a labelled token::
+
+        w    = clamp(|δ - κ|, cost_min, cost_max)            (weighting "distance"; 1 for "uniform")
+        ℓ    = BCE_with_logits(s - m·(2y - 1), y; pos_weight_d)   s = the continue logit, m = bce_margin
+        L_D  = Σ w · ℓ / N                                     N = labelled tokens ("tokens", the release)
+             = Σ w · ℓ / Σ w                                   ("weights", retrofit < 0.2)
+
+    ``pos_weight_d`` is ``dynamic_pos_weight`` of the depth-``d`` decisions (``dyn_pos_weight``) or the
+    static ``pos_weight``. A batch with nothing to normalize by gives 0.
+
+    Args:
+        logits: ``[B, T, k]`` continue logits (``outputs.halt_logits``; ``σ`` of them is ``halt_signals``).
+        lab: ``lookahead_labels`` output (the common prefix of its ``K`` and ``k`` decisions is used).
+        cfg: the loss switches (``LossConfig``; default: its defaults).
+        n_tokens: ``N``, the labelled tokens (``"tokens"`` normalization); default: the number of tokens
+            that made at least one decision.
         exit_threshold: τ_exit, only for the logged decision accuracy.
 
     Returns:
         ``(L_D scalar with grad, metrics)``; metrics are detached scalars: ``decider_loss``,
-        ``kappa``, ``continue_label_rate``, ``decider_accuracy``, ``decisions``.
+        ``kappa``, ``continue_label_rate``, ``decider_accuracy``, ``decisions``, ``pos_weight``.
     """
-    if weighting not in ("distance", "uniform"):
-        raise ValueError(f"weighting must be 'distance' or 'uniform', got {weighting!r}")
-    K = min(cont.shape[-1], lab.labels.shape[-1])
-    c = cont[..., :K].float()
+    cfg = LossConfig() if cfg is None else cfg
+    K = min(logits.shape[-1], lab.labels.shape[-1])
+    s = logits[..., :K].float()
     m = lab.decided[..., :K]
     y = lab.labels[..., :K].float()
-    w = lab.weights[..., :K].float() if weighting == "distance" else m.float()
-    bce = F.binary_cross_entropy(c, y, reduction="none")
+    if cfg.decider_weighting == "distance":
+        w = lab.weights[..., :K].float().clamp(min=cfg.cost_min, max=cfg.cost_max)
+    else:
+        w = torch.ones_like(s)
+    w = torch.where(m, w, torch.zeros_like(w))
+    if cfg.dyn_pos_weight:
+        pw = dynamic_pos_weight(y, m)
+    else:
+        pw = torch.full((K,), float(cfg.pos_weight), device=s.device)
+    shifted = s - cfg.bce_margin * (2 * y - 1) if cfg.bce_margin else s
+    bce = F.binary_cross_entropy_with_logits(shifted, y, pos_weight=pw.to(s.device), reduction="none")
     bce = torch.where(m, bce, torch.zeros_like(bce))  # masked positions may hold anything
-    loss = (w * bce).sum() / w.sum().clamp_min(1e-12)
+    if cfg.decider_loss_norm == "weights":
+        denom = w.sum()
+    elif n_tokens is not None:
+        denom = torch.as_tensor(n_tokens, device=s.device).float()
+    else:
+        denom = m.any(-1).sum().float()
+    loss = (w * bce).sum() / denom.clamp_min(1e-12)
     with torch.no_grad():
         n = m.sum()
-        denom = n.clamp_min(1).float()
+        d = n.clamp_min(1).float()
+        c = torch.sigmoid(s)
         metrics = {
             "decider_loss": loss.detach(),
             "kappa": lab.kappa.float(),
-            "continue_label_rate": (y * m).sum() / denom,
-            "decider_accuracy": (((c >= exit_threshold).float() == y) & m).sum() / denom,
+            "continue_label_rate": (y * m).sum() / d,
+            "decider_accuracy": (((c >= exit_threshold).float() == y) & m).sum() / d,
             "decisions": n.float(),
+            "pos_weight": pw.float().mean(),
         }
     return loss, metrics

@@ -29,10 +29,13 @@ class ExitPolicy:
         name: key in ``EXIT_POLICIES``.
         needs_logits: ``check`` reads the depth's next-token log-probabilities (the caller then reads
             out every executed depth).
+        defers_to_decider: ``check`` may keep the halting method's own decision for some tokens.
     """
 
     name: str = ""
     needs_logits: bool = False
+    #: ``check`` reads ``state["decider_continue"]``, the halting method's own decision for the running tokens
+    defers_to_decider: bool = False
 
     def __init__(self, threshold: float):
         if threshold is None or not float(threshold) > 0:
@@ -110,7 +113,69 @@ class StateChangeExit(ExitPolicy):
         return rel < self.threshold
 
 
-#: every training-free exit, by the name ``exit_policy=`` takes (STYLE.md habit 6)
+def continue_rate_for_mean_depth(mean_depth: float, max_depth: int) -> float:
+    """The per-depth continue probability ``q`` whose geometric exits have mean depth ``d̄``:
+    ``E[d] = Σ_{k=0}^{D-1} q^k`` (``q = d̄ - 1`` at ``D = 2``), solved by bisection.
+
+    Raises:
+        ValueError: ``d̄`` outside ``[1, D]``.
+    """
+    D = int(max_depth)
+    if not 1.0 <= mean_depth <= D:
+        raise ValueError(f"mean depth {mean_depth!r} is outside 1..{D}")
+    lo, hi = 0.0, 1.0
+    for _ in range(80):
+        q = (lo + hi) / 2
+        if sum(q**k for k in range(D)) < mean_depth:
+            lo = q
+        else:
+            hi = q
+    return (lo + hi) / 2
+
+
+class RandomContinue(ExitPolicy):
+    """Random allocation, the baseline a learned decider must beat at equal compute: after each depth every
+    selected token continues with probability ``rate`` (independent, seeded draws), so its depth is
+    geometric with mean ``Σ_{k<D} rate^k`` (``continue_rate_for_mean_depth`` inverts that). Tokens outside
+    ``where`` keep the model's own decision, so a comparison can randomize the answer tokens only and leave
+    the prompt exactly as the decider ran it. The decider still runs (TaH2's mixture weights stay its own);
+    only who continues changes.
+
+    Args:
+        rate: continue probability in ``[0, 1]``.
+        seed: seed of the draws (the same seed gives the same draws for the same call).
+        where: ``[B, T]`` bool, the positions whose depth is drawn; None = every position.
+    """
+
+    name = "random"
+    defers_to_decider = True
+
+    def __init__(self, rate: float, seed: int = 0, where: torch.Tensor | None = None):
+        if not 0.0 <= float(rate) <= 1.0:
+            raise ValueError(f"the random exit's continue rate must lie in [0, 1], got {rate!r}")
+        self.threshold = self.rate = float(rate)
+        self.seed = int(seed)
+        self.where = where
+
+    def init(self, n_tokens):
+        gen = torch.Generator().manual_seed(self.seed)
+        return {"n": n_tokens, "gen": gen}
+
+    def check(self, d, h, log_probs, state, idx):
+        u = torch.rand(state["n"], generator=state["gen"], dtype=torch.float64)  # one draw per token and depth
+        cont = (u[idx.cpu()] < self.rate).to(h.device)
+        if self.where is not None:
+            own = state.get("decider_continue")
+            own = torch.ones_like(cont) if own is None else own.to(h.device)
+            cont = torch.where(self.where.reshape(-1).to(h.device)[idx], cont, own)
+        return ~cont
+
+    def __repr__(self):
+        return f"RandomContinue(rate={self.rate}, seed={self.seed})"
+
+
+#: every training-free exit, by the name ``exit_policy=`` takes (STYLE.md habit 6); ``RandomContinue`` is
+#: passed as an instance (it needs a rate, a seed and a position mask)
 EXIT_POLICIES: dict[str, type[ExitPolicy]] = {
     "kl": KLExit,
     "state": StateChangeExit,

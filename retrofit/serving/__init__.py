@@ -1,8 +1,8 @@
 """Serving looped models: a continuous depth-wise batching engine and an OpenAI-compatible server.
 
 - ``engine.Engine``: request queue, admission, cancellation, the step loop (scheduling);
-- ``step.StepExecution``: the tensor work of a step: prelude, the core over every row in flight, readout,
-  decisions, sampling (mixed into ``Engine``);
+- ``step.StepExecutor``: the tensor work of a step: prelude, the core over every row in flight, readout,
+  decisions, sampling; built by ``Engine`` with what it uses, calling back its ``StepHooks``;
 - ``requests``: ``Request`` and the running state (``SeqState``, ``TokenGroup``);
 - ``kv.PagedKV``: K/V in fixed-size blocks per layer group (one core stream per sequence holding every
   executed (token, depth) pair), allocated from a memory budget;

@@ -21,7 +21,10 @@ its own depth); a request's later token enters after its previous token has exit
 reads was written earlier in the step or before it. The tokens equal ``model.generate`` on each request
 alone (``tests/test_serving_engine.py``).
 
-``Engine.step()`` runs one step; ``Engine.start()`` runs steps in a background thread for the server.
+``Engine.step()`` runs one step; ``Engine.start()`` runs steps in a background thread for the server. The engine
+schedules (point 1, freeing, cancellation); its ``StepExecutor`` (``retrofit.serving.step``) does the tensor
+work of points 2–5 and calls back the engine's ``StepHooks`` (``_new_group``, ``_release_rows``,
+``_finish_seq``, ``_record_tokens``).
 """
 
 from __future__ import annotations
@@ -41,12 +44,12 @@ from .layers import LayerRunner, layer_ops_for
 from .methods import MethodAdapter
 from .requests import Request, SeqState, TokenGroup
 from .sampling import SamplingParams
-from .step import StepExecution
+from .step import RowBuffers, StepExecutor
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(StepExecution):
+class Engine:
     """The continuous depth-wise batching engine (see the module docstring).
 
     Args:
@@ -106,16 +109,12 @@ class Engine(StepExecution):
         self.device = dev
         dtype = model.lm_head.weight.dtype
         H = cfg.hidden_size
-        self.e = torch.zeros(self.max_rows, H, dtype=dtype, device=dev)
-        self.h = torch.zeros(self.max_rows, H, dtype=dtype, device=dev)
-        self.krow = torch.zeros(self.max_rows, dtype=torch.long, device=dev)  # core entry of the row's latest depth
         self.free_rows = list(range(self.max_rows - 1, -1, -1))
         self.free_seqs = list(range(max_seqs - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.seqs: dict[str, SeqState] = {}
         self.groups: list[TokenGroup] = []  # in flight (some token still in the core)
         self.entering: list[TokenGroup] = []  # enter at the next step
-        self.ro_pending: list[tuple[TokenGroup, list[int]]] = []  # coda readouts of deeper depths, next step
         self._inbox: list[Request] = []
         self._cancels: set[str] = set()
         self._lock = threading.Lock()
@@ -126,7 +125,12 @@ class Engine(StepExecution):
         self.stats = {"steps": 0, "tokens": 0, "depth_sum": 0, "core_rows": 0, "requests_finished": 0}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
         self.step_lock = threading.Lock()
-        self.last_core: list[tuple[int, int]] = []
+        buffers = RowBuffers(
+            torch.zeros(self.max_rows, H, dtype=dtype, device=dev),
+            torch.zeros(self.max_rows, H, dtype=dtype, device=dev),
+            torch.zeros(self.max_rows, dtype=torch.long, device=dev),
+        )
+        self.executor = StepExecutor(model, self.kv, self.adapter, self.runner, buffers, self.stats, self.eos, self)
         # FLOPs of one token exiting at depth d (retrofit.flops; a per-token sum), with and without readouts
         self._flops = {}
         for ro in (False, True):
@@ -195,6 +199,15 @@ class Engine(StepExecution):
             pending = bool(self._inbox) or bool(self._cancels)
         return pending or bool(self.waiting) or bool(self.seqs)
 
+    @property
+    def last_core(self) -> list[tuple[int, int]]:
+        """``(sequence slot, depth)`` of each row of the latest step's core call (``StepExecutor.last_core``)."""
+        return self.executor.last_core
+
+    @last_core.setter
+    def last_core(self, value: list[tuple[int, int]]) -> None:
+        self.executor.last_core = value
+
     # -- metrics -----------------------------------------------------------------------------------
     def metrics(self) -> dict:
         now = time.monotonic()
@@ -230,11 +243,13 @@ class Engine(StepExecution):
             self._admit()
             entering, self.entering = self.entering, []
             if entering:
-                self._prelude(entering)
+                self.executor.prelude(entering)
                 self.groups.extend(entering)
             if not self.groups:
                 return bool(entering)
-            self._core_step()
+            self.groups, finished = self.executor.core(self.groups)
+            if finished:
+                self.executor.finish_groups(finished)
             self.stats["steps"] += 1
             return True
 
@@ -253,6 +268,7 @@ class Engine(StepExecution):
             self.seqs[req.request_id] = seq
             self._new_group(seq, list(req.prompt))
 
+    # -- step hooks (retrofit.serving.step.StepHooks) --------------------------------------------------
     def _new_group(self, seq: SeqState, tokens: list[int]) -> None:
         rows = [self.free_rows.pop() for _ in tokens]
         g = TokenGroup(seq, rows, list(range(seq.n_pos, seq.n_pos + len(tokens))), tokens)
@@ -275,13 +291,8 @@ class Engine(StepExecution):
                 self.entering.remove(g)
             if g.rows:
                 self._release_rows(g)
-        keep = []
-        for pg, js in self.ro_pending:
-            if pg.seq is seq:
-                self._release_rows(pg)
-            else:
-                keep.append((pg, js))
-        self.ro_pending = keep
+        for pg in self.executor.drop_pending(seq):
+            self._release_rows(pg)
         self.kv.release(seq.slot, seq.res)
         self.free_seqs.append(seq.slot)
         req.finish_reason = reason
@@ -305,6 +316,10 @@ class Engine(StepExecution):
         req._emit({"type": "finish", "reason": reason, "usage": req.usage, "text": req.text})
         req.done.set()
 
+    def _record_tokens(self, now: float, n: int) -> None:
+        self._recent.append((now, n))
+
+    # -- cancellation ------------------------------------------------------------------------------
     def _cancel_now(self, rid: str) -> None:
         for req in list(self.waiting):
             if req.request_id == rid:
@@ -341,7 +356,7 @@ class Engine(StepExecution):
                     logger.exception("engine step failed; cancelling the running requests")
                     for seq in list(self.seqs.values()):
                         self._finish_seq(seq, "error")
-                    self.groups, self.entering, self.ro_pending = [], [], []
+                    self.groups, self.entering, self.executor.ro_pending = [], [], []
                     worked = False
                 if not worked:
                     self._wake.wait(0.05)

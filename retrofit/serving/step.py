@@ -1,34 +1,120 @@
 """Step execution of the serving engine: prelude, core over every row in flight, readout, decisions, sampling.
 
-``StepExecution`` is a mixin of ``retrofit.serving.engine.Engine``: it holds no state of its own and runs
-points 2–5 of the engine's step (see ``retrofit.serving.engine``) over the engine's row buffers (``e``,
-``h``, ``krow``), KV (``kv``), method adapter (``adapter``), layer runner (``runner``) and groups
-(``groups``, ``ro_pending``); scheduling (admission, cancellation, freeing) stays in the engine.
+``StepExecutor`` runs points 2–5 of the engine's step (``retrofit.serving.engine``). The engine builds it with
+everything the step touches, each named in its constructor: model, paged K/V, method adapter, layer runner,
+row buffers (``RowBuffers``: ``e``, ``h``, ``krow``), counters, EOS ids, and ``StepHooks``, the scheduling
+actions a step triggers (implemented by ``Engine``). The engine passes the groups in flight to each call and
+keeps the scheduling state (groups in flight and entering, free row and sequence slots, admission,
+cancellation); the executor's only state across steps is the coda readouts deferred to the next step.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .methods import ExitSpec
-from .requests import TokenGroup
+from .kv import PagedKV
+from .layers import LayerRunner
+from .methods import ExitSpec, MethodAdapter
+from .requests import SeqState, TokenGroup
 from .sampling import sample
 
-# CPU: LM head inputs of LM_HEAD_PAD_FROM .. LM_HEAD_PAD_ROWS - 1 rows are padded (StepExecution._logits)
+# CPU: LM head inputs of LM_HEAD_PAD_FROM .. LM_HEAD_PAD_ROWS - 1 rows are padded (StepExecutor.logits)
 LM_HEAD_PAD_FROM, LM_HEAD_PAD_ROWS = 7, 16
 
 
-class StepExecution:
-    """The tensor work of one engine step (mixed into ``Engine``; see the module docstring)."""
+class StepHooks(Protocol):
+    """The scheduling actions a step triggers (``Engine`` implements them). The executor looks each one up on
+    the engine when it calls it, so a hook replaced on the engine instance (tests, benchmarks) is the one run.
+    """
+
+    def _new_group(self, seq: SeqState, tokens: list[int]) -> None:
+        """Put ``tokens`` (the token ``seq`` just sampled) on free row slots; they enter at the next step."""
+
+    def _release_rows(self, g: TokenGroup) -> None:
+        """Return ``g``'s row slots to the free list (``g.rows`` becomes empty)."""
+
+    def _finish_seq(self, seq: SeqState, reason: str) -> None:
+        """End ``seq``'s request: free its slots, rows, deferred readouts and KV blocks; emit ``finish``."""
+
+    def _record_tokens(self, now: float, n: int) -> None:
+        """Count ``n`` tokens sampled at ``now`` (``time.monotonic``) for ``Engine.metrics``' tokens/s."""
+
+
+@dataclass
+class RowBuffers:
+    """Per-row tensors of the tokens in flight, indexed by row slot (``0 .. max_rows - 1``).
+
+    Attributes:
+        e: ``[max_rows, H]`` the row's prelude output (core input at depth 1; ``updater``'s ``e`` deeper).
+        h: ``[max_rows, H]`` the row's state after its latest depth (the prelude output before depth 1).
+        krow: ``[max_rows]`` long, the core K/V entry the row wrote at its latest depth.
+    """
+
+    e: torch.Tensor
+    h: torch.Tensor
+    krow: torch.Tensor
+
+
+class StepExecutor:
+    """The tensor work of one engine step (see the module docstring). Per step the engine calls
+    ``prelude(entering)``, then ``core(groups)`` -> ``(still, finished)``, then ``finish_groups(finished)``.
+
+    Args:
+        model: the looped model (eval mode); ``max_depth`` is ``model.loop.max_depth``.
+        kv: the engine's paged K/V (prelude, coda: ``dense_write``, ``dense_keys``; core: ``core_*``, ``mark_exit``).
+        adapter: the method adapter (core input, ``relax``, ``decide``, the output combination).
+        runner: runs a base decoder layer on flat rows over paged keys, and the LM head (``linear``).
+        buffers: the row buffers, read and written at the step's rows; ``device`` is theirs.
+        stats: the engine's counters; the step adds to ``"core_rows"``, ``"tokens"`` and ``"depth_sum"``.
+        eos: end-of-sequence token ids.
+        hooks: the scheduling actions the step triggers (``StepHooks``: the engine).
+
+    Attributes:
+        ro_pending: ``(group, depths)``: coda readouts at the deeper ``depths`` of groups that finished in the
+            previous step (their rows are held until the readout runs, ``_readout``).
+        last_core: ``(sequence slot, depth)`` of each row of the latest core call (tests, diagnostics).
+    """
+
+    def __init__(
+        self,
+        model,
+        kv: PagedKV,
+        adapter: MethodAdapter,
+        runner: LayerRunner,
+        buffers: RowBuffers,
+        stats: dict[str, int],
+        eos: set[int],
+        hooks: StepHooks,
+    ):
+        self.model = model
+        self.max_depth: int = model.loop.max_depth
+        self.kv = kv
+        self.adapter = adapter
+        self.runner = runner
+        self.buffers = buffers
+        self.device = buffers.e.device
+        self.stats = stats
+        self.eos = eos
+        self.hooks = hooks
+        self.ro_pending: list[tuple[TokenGroup, list[int]]] = []
+        self.last_core: list[tuple[int, int]] = []
+
+    def drop_pending(self, seq: SeqState) -> list[TokenGroup]:
+        """Remove ``seq``'s deferred readouts; returns their groups (the caller frees their rows), in order."""
+        dropped = [pg for pg, _ in self.ro_pending if pg.seq is seq]
+        self.ro_pending = [(pg, js) for pg, js in self.ro_pending if pg.seq is not seq]
+        return dropped
 
     # -- prelude --------------------------------------------------------------------------------------
     def _rope(self, x: torch.Tensor, pos: torch.Tensor):
         cos, sin = self.model.model.rotary_emb(x[None], pos[None])
         return cos[0], sin[0]
 
-    def _logits(self, y: torch.Tensor) -> torch.Tensor:
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head of exit states ``y`` ``[n, H]`` -> ``[n, V]``.
 
         On CPU, 7 to 15 rows are padded with zero rows to ``LM_HEAD_PAD_ROWS`` (16), where the head runs
@@ -52,7 +138,9 @@ class StepExecution:
             start += len(rows)
         return out, all(n == 1 for _, n in out)
 
-    def _prelude(self, groups: list[TokenGroup]) -> None:
+    def prelude(self, groups: list[TokenGroup]) -> None:
+        """Embed and run the prelude on the entering ``groups`` (their K/V written); their output goes to
+        ``e`` and ``h`` at their rows, and the adapter's per-row state starts (``enter``)."""
         dev = self.device
         rows = torch.tensor([r for g in groups for r in g.rows], device=dev)
         pos = torch.tensor([p for g in groups for p in g.positions], device=dev)
@@ -63,19 +151,13 @@ class StepExecution:
             s = torch.tensor([g.seq.slot for g in groups for _ in g.rows], device=dev)
             zero = torch.zeros_like(s)
             unit_rows, single = self._units([g.rows for g in groups])
-            slots = self.kv.dense_write(
-                self.kv.pre,
-                s,
-                zero,
-                pos,
-                [g.seq.slot for g in groups],
-                [0] * len(groups),
-                [g.positions[-1] + 1 for g in groups],
-            )
+            useq = [g.seq.slot for g in groups]
+            ends = [g.positions[-1] + 1 for g in groups]
+            slots = self.kv.dense_write(self.kv.pre, s, zero, pos, useq, [0] * len(groups), ends)
             qmax = [g.positions[-1] for g in groups]
             keys = self.kv.dense_keys(
                 self.kv.pre,
-                torch.tensor([g.seq.slot for g in groups], device=dev),
+                torch.tensor(useq, device=dev),
                 torch.zeros(len(groups), dtype=torch.long, device=dev),
                 torch.tensor(qmax, device=dev),
                 max(qmax) + 1,
@@ -87,8 +169,8 @@ class StepExecution:
             for layer in self.model.prelude_layers:
                 li = layer.self_attn.layer_idx
                 x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
-        self.e[rows] = x
-        self.h[rows] = x
+        self.buffers.e[rows] = x
+        self.buffers.h[rows] = x
         by_spec: dict[ExitSpec, list[int]] = {}  # one call per exit spec (usually one for the whole step)
         start = 0
         for g in groups:
@@ -102,10 +184,13 @@ class StepExecution:
                 self.adapter.enter(rows[it], x[it], spec)
 
     # -- core, readout, decisions -----------------------------------------------------------------
-    def _core_step(self) -> None:
+    def core(self, groups: list[TokenGroup]) -> tuple[list[TokenGroup], list[TokenGroup]]:
+        """One core call over the active rows of ``groups`` (each at its depth ``g.m``), readouts, decisions;
+        marks the exits. Returns ``(still, finished)``: the groups with rows still running (``g.m`` advanced)
+        and those whose rows have all exited (``finish_groups``, once ``still`` are the groups in flight)."""
         dev = self.device
-        D = self.D
-        groups = self.groups
+        D = self.max_depth
+        buf = self.buffers
         run_rows: list[int] = []
         run_d: list[int] = []
         run_s: list[int] = []
@@ -138,8 +223,8 @@ class StepExecution:
         self.stats["core_rows"] += N
         self.last_core = list(zip(run_s, run_d))  # (sequence slot, depth) of each row of this step's core call
 
-        e = self.e[rows_t]
-        h_prev = self.h[rows_t]
+        e = buf.e[rows_t]
+        h_prev = buf.h[rows_t]
         n_first = sum(1 for d in run_d if d == 1)
         x = self.adapter.core_input(e, h_prev, d_t == 1, n_first > 0, n_first == N)
         slots, kidx = self.kv.core_write([(s, m, n) for s, m, n, _ in units], s_t, d_t, rank_t, pos_t)
@@ -157,8 +242,8 @@ class StepExecution:
         if any(flags):
             taps = torch.tensor([f for f, (_, n) in zip(flags, unit_rows) for _ in range(n)], device=dev)
         h_new = self.adapter.relax(rows_t, d_t, h_prev, x, taps)
-        self.h[rows_t] = h_new
-        self.krow[rows_t] = kidx
+        buf.h[rows_t] = h_new
+        buf.krow[rows_t] = kidx
 
         # -- readout of the rows that need it -----------------------------------------------------
         ro_groups = [gi for gi, g in enumerate(groups) if g.seq.readout]
@@ -220,9 +305,7 @@ class StepExecution:
             else:
                 g.m += 1
                 still.append(g)
-        self.groups = still
-        if finished:
-            self._finish_groups(finished)
+        return still, finished
 
     def _readout(self, groups, ro_groups, unit_rows, rows_t, h_new, N):
         """Logits of the active rows of requests that read out every depth; ``zpos[j]`` is the row of
@@ -247,7 +330,7 @@ class StepExecution:
             pos = torch.tensor([p for g, _ in cu for p in g.positions], device=dev)
             s = torch.tensor([g.seq.slot for g, _ in cu for _ in g.rows], device=dev)
             jt = torch.tensor([j for g, j in cu for _ in g.rows], device=dev)
-            x = self.h[rows]
+            x = self.buffers.h[rows]
             cos, sin = self._rope(x, pos)
             unit_rows_c, single = self._units([g.rows for g, _ in cu])
             ends = [g.positions[-1] + 1 for g, _ in cu]
@@ -269,7 +352,7 @@ class StepExecution:
                 x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
             for pg, _ in pend:
                 if pg.rows:
-                    self._release_rows(pg)
+                    self.hooks._release_rows(pg)
             # the active rows of the current readout groups, in run order
             take = []
             off = 0
@@ -277,14 +360,15 @@ class StepExecution:
                 take.extend(off + i for i, a in enumerate(g.active) if a)
                 off += len(g.rows)
             y = x[torch.tensor(take, device=dev)] if take else None
-        z = self._logits(y) if y is not None else None
+        z = self.logits(y) if y is not None else None
         return z, zpos
 
-    def _finish_groups(self, finished: list[TokenGroup]) -> None:
-        """All tokens of these steps have exited: output logits, sample, emit, feed the next token."""
+    def finish_groups(self, finished: list[TokenGroup]) -> None:
+        """All tokens of these groups have exited: output logits, sample, emit; then per request, finish it
+        (``hooks._finish_seq``) or feed the sampled token (``hooks._new_group``)."""
         dev = self.device
         model = self.model
-        D = self.D
+        D = self.max_depth
         seqs = torch.tensor([g.seq.slot for g in finished], device=dev)
         if self.adapter.output_from_readout:
             depths = torch.tensor([g.exit_depth[-1] for g in finished], device=dev)
@@ -295,7 +379,7 @@ class StepExecution:
                 rows = torch.tensor([r for g in finished for r in g.rows], device=dev)
                 pos = torch.tensor([p for g in finished for p in g.positions], device=dev)
                 s = torch.tensor([g.seq.slot for g in finished for _ in g.rows], device=dev)
-                x = self.h[rows]
+                x = self.buffers.h[rows]
                 cos, sin = self._rope(x, pos)
                 unit_rows, single = self._units([g.rows for g in finished])
                 ends = [g.positions[-1] + 1 for g in finished]
@@ -321,8 +405,8 @@ class StepExecution:
                 last = torch.tensor([start + n - 1 for start, n in unit_rows], device=dev)
                 y = x[last]
             else:
-                y = self.h[last_rows]
-            logits = self._logits(y)
+                y = self.buffers.h[last_rows]
+            logits = self.logits(y)
         greedy = [g.seq.req.params.greedy for g in finished]
         argmax = logits.argmax(-1).tolist() if any(greedy) else None
         now = time.monotonic()
@@ -353,13 +437,13 @@ class StepExecution:
                     if tail:
                         req._emit({"type": "token", "token": None, "text": tail, "depth": None})
                 seq.group = None
-                self._release_rows(g)
-                self._finish_seq(seq, reason)
+                self.hooks._release_rows(g)
+                self.hooks._finish_seq(seq, reason)
                 continue
             if seq.readout and self.kv.has_coda and d_last < D:
                 # later tokens may run deeper: their depth-j readout reads this step's tokens at depth j
                 self.ro_pending.append((g, list(range(d_last + 1, D + 1))))
             else:
-                self._release_rows(g)
-            self._new_group(seq, [tok])
-        self._recent.append((now, n_tok))
+                self.hooks._release_rows(g)
+            self.hooks._new_group(seq, [tok])
+        self.hooks._record_tokens(now, n_tok)

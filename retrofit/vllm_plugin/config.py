@@ -39,6 +39,13 @@ TRAINING_ONLY = (
     "decider_weighting",
     "gamma",
     "prior_base",
+    "dyn_pos_weight",
+    "pos_weight",
+    "cost_min",
+    "cost_max",
+    "decider_loss_norm",
+    "bce_margin",
+    "decider_init_std",
 )
 INFERENCE_FIELDS = (
     "prelude",
@@ -49,6 +56,7 @@ INFERENCE_FIELDS = (
     "updater_hidden",
     "decider_hidden",
     "decider_top_k",
+    "decider_arch",
     "exit_threshold",
     "halt_threshold",
     "mixture_output",
@@ -77,7 +85,9 @@ class LoopSpec:
         max_depth: ``D``.
         method / attention: see ``retrofit.LoopConfig``; ``attention`` is resolved (never None).
         updater_hidden / decider_hidden: head widths (defaults resolved: ``H`` and ``max(1, H // 4)``).
-        top_k: TaH2 decider's top-K probability features.
+        top_k: TaH2 decider's top-K probability features (0: none).
+        decider_arch: TaH2 decider's body, ``"swiglu"`` (the authors' release) or ``"ffn"`` (checkpoints
+            written before the field existed).
         exit_threshold / halt_threshold: TaH2's ``τ_exit``; ANIRA-O's inference ``u``.
         mixture_output: TaH2 output = mixture of per-depth distributions.
         serve_depth: every token runs this many iterations (None: the method's decider).
@@ -92,6 +102,7 @@ class LoopSpec:
     updater_hidden: int
     decider_hidden: int
     top_k: int
+    decider_arch: str
     exit_threshold: float
     halt_threshold: float
     mixture_output: bool
@@ -99,8 +110,9 @@ class LoopSpec:
 
     @property
     def needs_readout(self) -> bool:
-        """TaH2 reads every depth's next-token distribution (decider features, output mixture)."""
-        return self.method == "tah2"
+        """TaH2 reads every depth's next-token distribution (decider features, output mixture), unless its
+        decider reads no probabilities and its output is the exit depth's."""
+        return self.method == "tah2" and (self.top_k > 0 or self.mixture_output)
 
 
 def _error(msg: str) -> LoopSpecError:
@@ -159,6 +171,7 @@ def loop_spec(config) -> LoopSpec:
         updater_hidden=loop.get("updater_hidden") or H,
         decider_hidden=loop.get("decider_hidden") or max(1, H // 4),
         top_k=loop.get("decider_top_k", 10),
+        decider_arch=loop.get("decider_arch", "ffn"),  # absent: written before the release's decider existed
         exit_threshold=float(loop.get("exit_threshold", 0.5)),
         halt_threshold=float(loop.get("halt_threshold", 0.5)),
         mixture_output=bool(loop.get("mixture_output", True)),

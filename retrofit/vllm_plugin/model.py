@@ -87,12 +87,39 @@ class DeciderFFN(nn.Module):
         return out
 
 
+class SwiGLUDecider(nn.Module):
+    """The TaH2 release's decider (``retrofit.heads.SwiGLUDecider``): each input part RMS-normed on its own,
+    ``score(norm_out(down(SiLU(gate x) * up x)))`` with ``x = input_proj([norm_i(x_i)])``."""
+
+    def __init__(self, parts: list[int], width: int, prefix: str):
+        super().__init__()
+        self.norms = nn.ModuleList(RMSNorm(n, eps=1e-6) for n in parts)
+        self.input_proj = ReplicatedLinear(sum(parts), width, bias=False, prefix=f"{prefix}.input_proj")
+        self.gate_proj = ReplicatedLinear(width, width, bias=False, prefix=f"{prefix}.gate_proj")
+        self.up_proj = ReplicatedLinear(width, width, bias=False, prefix=f"{prefix}.up_proj")
+        self.down_proj = ReplicatedLinear(width, width, bias=False, prefix=f"{prefix}.down_proj")
+        self.norm_out = RMSNorm(width, eps=1e-6)
+        self.score = ReplicatedLinear(width, 1, bias=False, prefix=f"{prefix}.score")
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        x, _ = self.input_proj(torch.cat([n(x) for n, x in zip(self.norms, xs)], dim=-1))
+        g, _ = self.gate_proj(x)
+        u, _ = self.up_proj(x)
+        y, _ = self.down_proj(nn.functional.silu(g) * u)
+        out, _ = self.score(self.norm_out(y))
+        return out
+
+
 class Halting(nn.Module):
     """Holds ``decider`` (so weight names match ``halting.decider.*``); None for ``fixed``."""
 
     def __init__(self, spec: LoopSpec, hidden: int, prefix: str):
         super().__init__()
         H, D = hidden, spec.max_depth
+        if spec.method == "tah2" and spec.decider_arch == "swiglu":
+            parts = [H, H] + ([spec.top_k] if spec.top_k else [])
+            self.decider = SwiGLUDecider(parts, spec.decider_hidden, f"{prefix}.decider")
+            return
         in_out = {
             "tah2": (2 * H + spec.top_k, 1),
             "anira-e": (H, D),
@@ -439,13 +466,19 @@ class LoopedForCausalLM(nn.Module):
                 if exit_at is not None:
                     cont = exit_at > d
                 elif spec.method == "tah2":
-                    probs = z.softmax(-1)
-                    k = min(spec.top_k, probs.shape[-1])
-                    top = probs.topk(k, dim=-1).values
-                    if k < spec.top_k:
-                        top = nn.functional.pad(top, (0, spec.top_k - k))
-                    feats = torch.cat([e, h, top.to(h.dtype)], dim=-1)
-                    c = torch.sigmoid(self.halting.decider(feats).squeeze(-1).float())
+                    parts = [e, h]
+                    if spec.top_k:
+                        probs = z.softmax(-1)
+                        k = min(spec.top_k, probs.shape[-1])
+                        top = probs.topk(k, dim=-1).values
+                        if k < spec.top_k:
+                            top = nn.functional.pad(top, (0, spec.top_k - k))
+                        parts.append(top.to(h.dtype))
+                    if spec.decider_arch == "swiglu":
+                        logit = self.halting.decider(*parts)
+                    else:
+                        logit = self.halting.decider(torch.cat(parts, dim=-1))
+                    c = torch.sigmoid(logit.squeeze(-1).float())
                     cont = c >= spec.exit_threshold
                 elif spec.method == "anira-o":
                     a = torch.sigmoid(self.halting.decider(h).squeeze(-1).float())
