@@ -3,9 +3,11 @@ tokens compute each depth, and how a state becomes logits.
 
 - ``FullSequence``: the full-sequence forward (training, scoring, prefill without a cache). Every
   token computes every depth the loop runs (static shapes; a token past its exit is *passed
-  through*: its state is kept, and its deeper keys are invisible to everyone else); keys of every
-  depth executed so far are stacked along the key axis by ``DepthKVStore`` and masked by
-  ``retrofit.attention``. It also serves TaH2's gradient-free lookahead iteration.
+  through*: its state is kept, and its deeper keys are invisible to everyone else); ``DepthKVStore``
+  keeps the keys of every depth executed so far, and the core's attention at depth ``m`` reads them
+  under the rule of ``retrofit.attention`` without a dense mask (``retrofit.depth_attention``; the
+  prelude and coda run the base model's own causal attention). It also serves TaH2's gradient-free
+  lookahead iteration.
 - ``CachedStep``: one step of incremental decoding with a ``retrofit.cache.DepthKVCache``: the step's
   new tokens (the prompt at prefill, one token per row afterwards) run the prelude once, then at each
   depth only the tokens still running are packed (``retrofit.loop.Pack``), run through the core, and
@@ -23,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .attention import base_visibility, depth_key_visibility, to_additive_mask
 from .cache import DepthKVCache
+from .depth_attention import SequenceAttention
 from .loop import AllTokens, Pack, _keep
 
 
@@ -50,10 +52,11 @@ class DepthKVStore:
     """K/V of the full-sequence forward, keyed by (layer index, depth).
 
     The base attention calls ``update(k, v, layer_idx, kwargs=...)``; the current depth arrives in
-    ``kwargs["loop_depth"]`` (passed through the decoder layer's ``**kwargs``). ``update`` records
-    the depth's K/V and returns the keys of depths ``1 … m`` stacked along the sequence axis
-    (``[B, H, m * T, hd]``), the layout ``retrofit.attention`` masks. Writing is idempotent per
-    (layer, depth), so activation checkpointing may replay a layer safely.
+    ``kwargs["loop_depth"]`` (passed through the decoder layer's ``**kwargs``). ``update`` records the
+    depth's K/V and returns them unchanged; the core's attention at depth ``m`` (a
+    ``retrofit.depth_attention.DepthMask``) reads depths ``1 … m - 1`` from ``kv`` and lays them out as
+    its kernel needs. Writing is idempotent per (layer, depth), so activation checkpointing may replay a
+    layer safely.
     """
 
     def __init__(self):
@@ -61,14 +64,9 @@ class DepthKVStore:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         depth = (kwargs.get("kwargs") or {}).get("loop_depth", 0)
-        if depth == 0:  # prelude and coda layers: no stacking
-            return key_states, value_states
-        self.kv[(layer_idx, depth)] = (key_states, value_states)
-        if depth == 1:
-            return key_states, value_states
-        ks = [self.kv[(layer_idx, j)][0] for j in range(1, depth + 1)]
-        vs = [self.kv[(layer_idx, j)][1] for j in range(1, depth + 1)]
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        if depth:  # prelude and coda layers (depth 0) keep nothing
+            self.kv[(layer_idx, depth)] = (key_states, value_states)
+        return key_states, value_states
 
 
 def default_position_ids(attention_mask, B: int, T: int, device) -> torch.Tensor:
@@ -96,11 +94,10 @@ class FullSequence:
         if position_ids is None:
             position_ids = default_position_ids(attention_mask, B, T, x.device)
         self.model, self.pos, self.dtype = model, position_ids, x.dtype
-        self.mode = model.loop.attention
-        self.base_vis = base_visibility(B, T, x.device, attention_mask, position_ids)
-        self.plain_mask = to_additive_mask(self.base_vis, x.dtype)
-        self.pe = model.model.rotary_emb(x, position_ids)
         self.store = DepthKVStore()
+        self.attn = SequenceAttention(model, x, attention_mask, position_ids, self.store)
+        self.plain_mask = self.attn.plain
+        self.pe = model.model.rotary_emb(x, position_ids)
         self.coda = model.coda_layers
         for layer in model.prelude_layers:
             x = call_layer(model, layer, x, self.plain_mask, self.pe, self.pos, self.store, 0)
@@ -109,9 +106,8 @@ class FullSequence:
     def first_active(self, B, T):
         return torch.ones(B, T, dtype=torch.bool, device=self.e.device)
 
-    def begin_depth(self, d, active):
-        vis = depth_key_visibility(torch.stack(active), d, self.mode, self.base_vis)
-        self.mask = to_additive_mask(vis, self.dtype)
+    def begin_depth(self, d, active, lookahead=False):
+        self.mask = self.attn.for_depth(d, active, lookahead)
         return AllTokens(active[-1])
 
     def core(self, d, x, run):
@@ -250,7 +246,7 @@ class CachedStep:
     def first_active(self, B, T):
         return self.new_valid  # padding never enters the core
 
-    def begin_depth(self, d, active):
+    def begin_depth(self, d, active, lookahead=False):
         pack = Pack(active[-1])
         if pack.N == 0:
             return None

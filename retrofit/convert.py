@@ -7,6 +7,7 @@ import warnings
 from torch import nn
 
 from .config import LoopConfig
+from .depth_attention import HONOURED_IMPLEMENTATIONS
 from .families import family_for
 from .modeling import LOOPED_CLASSES, LoopedForCausalLM
 
@@ -30,7 +31,9 @@ def convert(base_model: nn.Module, loop_config: LoopConfig | None = None, **loop
     The returned model holds the base model's embedding, decoder layers, final norm, rotary
     embedding and LM head *by reference* (no weight copies; training the looped model trains them)
     and adds an updater and the method's decider, initialized so that the looped model computes
-    the base model's function when every token exits at depth 1.
+    the base model's function when every token exits at depth 1. The base model's attention
+    implementation is kept (sdpa, eager, flex_attention, flash_attention_2/3; see
+    ``retrofit.depth_attention``); any other falls back to sdpa with a warning.
 
     Args:
         base_model: a ``LlamaForCausalLM`` or ``Qwen3ForCausalLM`` (see ``retrofit.families``).
@@ -56,9 +59,14 @@ def convert(base_model: nn.Module, loop_config: LoopConfig | None = None, **loop
             f"got {type(base_model).__name__}"
         )
     cfg = looped_config_for(base_model.config, loop_config)
+    # the looped model runs the base model's own attention implementation (retrofit.depth_attention): the
+    # prelude and coda exactly as the base does, the core's depth attention with a kernel of that family
     impl = base_model.config._attn_implementation or "sdpa"
-    if impl not in ("sdpa", "eager"):
-        warnings.warn(f"attention implementation {impl!r} cannot take depth masks; using 'sdpa'")
+    if impl not in HONOURED_IMPLEMENTATIONS:
+        warnings.warn(
+            f"attention implementation {impl!r} is not one a looped model runs "
+            f"({', '.join(HONOURED_IMPLEMENTATIONS)}); using 'sdpa'"
+        )
         impl = "sdpa"
     base_model.config._attn_implementation = impl
     cfg._attn_implementation = impl

@@ -225,7 +225,8 @@ def load_model(spec: str, dtype: torch.dtype | str | None = None, **kwargs):
     if spec in ("tiny-llama", "tiny-qwen3"):
         from .testing import char_tokenizer, tiny_base
 
-        return tiny_base(spec.split("-", 1)[1]), char_tokenizer()
+        impl = kwargs.get("attn_implementation") or "sdpa"
+        return tiny_base(spec.split("-", 1)[1], attn_implementation=impl), char_tokenizer()
     load_kw = dict(kwargs)
     if dtype is not None:
         load_kw["dtype"] = dtype

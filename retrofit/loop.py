@@ -9,7 +9,7 @@ update is relaxed by a **step schedule** (``retrofit.schedulers``: unit or TAPS)
 
 Per depth ``d`` (``h`` = every token's passthrough state, ``e`` = the core input)::
 
-    run   = backend.begin_depth(d, active)          which tokens compute, and the attention mask
+    run   = backend.begin_depth(d, active, la)      which tokens compute, and the attention mask
     x     = e | updater(e, h)                        core input (``core_input``)
     raw   = backend.core(d, x, run)                  the shared core layers: ``F(h)``
     h_new = schedule.step(d, h_run, raw, ...)        relaxed step (unit: ``raw``)
@@ -396,7 +396,7 @@ def run_depth_loop(
     depth_logits = [] if output_depth_logits else None
     d_last = 0
     for d in range(1, D_run + 1):
-        run = backend.begin_depth(d, active)
+        run = backend.begin_depth(d, active, lookahead)
         if run is None:  # no token runs this depth
             break
         d_last = d

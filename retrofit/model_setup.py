@@ -95,11 +95,16 @@ def deepspeed_enabled(args=None) -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
 
 
-def build_looped_model(spec: str, loop: LoopConfig, dtype=None):
+def build_looped_model(spec: str, loop: LoopConfig, dtype=None, attn_implementation: str | None = None):
     """Load ``spec`` (``retrofit.loading.load_model``) and retrofit it with ``loop``.
 
     A folder that already holds a looped checkpoint is loaded as is (its own ``LoopConfig`` wins;
     a different ``loop`` only logs a warning, except ``fixed_graph``, which is set).
+
+    Args:
+        attn_implementation: load with this attention implementation (``"sdpa"``, ``"flex_attention"``,
+            ``"flash_attention_2"``, ``"eager"``; None = transformers' default); the looped model keeps it
+            (docs/long-context.md).
 
     Returns:
         ``(model, tokenizer)``.
@@ -107,7 +112,8 @@ def build_looped_model(spec: str, loop: LoopConfig, dtype=None):
     from .convert import convert
     from .loading import load_model
 
-    base, tok = load_model(spec, dtype=dtype)
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    base, tok = load_model(spec, dtype=dtype, **extra)
     if isinstance(base, LoopedForCausalLM):
         have = base.loop
         if have.to_dict() != {**loop.to_dict(), "fixed_graph": have.fixed_graph}:

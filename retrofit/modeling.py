@@ -32,6 +32,7 @@ from transformers.loss.loss_utils import fixed_cross_entropy
 from .backends import CachedStep, FullSequence
 from .cache import DepthKVCache
 from .config import LoopConfig, LoopConfigError
+from .depth_attention import install as install_looped_attention
 from .families import FAMILIES, Family
 from .generation import looped_generate
 from .halting import build_halting
@@ -132,9 +133,11 @@ class LoopedForCausalLM(PreTrainedModel):
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
+    # every implementation runs the prelude and coda as the base model would; the core's depth attention
+    # has its own kernels per implementation (retrofit.depth_attention, docs/long-context.md)
     _supports_sdpa = True
-    _supports_flash_attn = False  # the depth masks are dense custom masks
-    _supports_flex_attn = False
+    _supports_flash_attn = True
+    _supports_flex_attn = True
     _supports_attention_backend = False
     family: Family = None
 
@@ -145,6 +148,7 @@ class LoopedForCausalLM(PreTrainedModel):
         self._ranges = loop.layer_ranges(n_layers)
         self._check_layer_types(config)
         self.model = backbone if backbone is not None else self.family.backbone_cls(config)
+        install_looped_attention(self.model)
         self.vocab_size = config.vocab_size
         self.lm_head = lm_head if lm_head is not None else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         H = config.hidden_size
