@@ -1,8 +1,8 @@
 """Peak memory and time of one training step against sequence length: looped models vs their plain base.
 
 For each length ``T`` and model (``base``: the plain Llama; ``fixed``: a fixed-depth loop; ``tah2`` at
-initialisation, every token at depth 2; ``tah2-mixed``: the decider re-biased so that most tokens exit at
-depth 1, with their lookahead rows; ``anira-e``: ANIRA's early-exit method, same-depth attention), one
+initialisation; ``tah2-mixed``: the decider redrawn by ``retrofit.testing.spread_decider`` for mixed exit
+depths, with their lookahead rows; ``anira-e``: ANIRA's early-exit method, same-depth attention), one
 training step: forward + backward of the model's own loss (next-token loss, plus the method's auxiliary
 loss), batch 1, fp32, one thread.
 
