@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 #: step to depth 1) + 1 gain pass, each ~0.12 s per row on 2 CPU cores (one adaptive pass over 400 rows ~50 s).
 FRONTIER_ROWS_PER_LEVEL = 25
 FRONTIER_THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
+#: ... placed by compute (evaluation/calibrate.py): the thresholds at which these shares of the decider's first
+#: decisions on the frontier rows stop after depth 1 (a trained decider's probabilities can sit in a band a few
+#: hundredths wide, where the fixed thresholds above all land at d̄ = 1 or M); replaces FRONTIER_THRESHOLDS
+FRONTIER_STOP_SHARES = (0.1, 0.3, 0.5, 0.7, 0.9)
 FRONTIER_RANDOM_DRAWS = 3
 
 #: The main job's claims (issues 15 and 24): each is checked on the run's own test rows and reported as met or not.
@@ -224,6 +228,7 @@ def main_job_report(
     identity_err,
     t_start: float,
     timings: dict,
+    calibration: dict | None = None,
 ) -> dict:
     """Evaluate, export and summarize (see the module docstring). Returns the summary dict.
 
@@ -247,6 +252,7 @@ def main_job_report(
         html_samples=2,
         frontier=True,  # issue 24: every model and policy on one accuracy-vs-FLOPs plane (FRONTIER_* above)
         frontier_thresholds=FRONTIER_THRESHOLDS,
+        frontier_stop_shares=FRONTIER_STOP_SHARES,
         frontier_random_draws=FRONTIER_RANDOM_DRAWS,
         frontier_rows_per_level=FRONTIER_ROWS_PER_LEVEL,
     )
@@ -284,6 +290,7 @@ def main_job_report(
         "train_levels": train_levels,
         "models": names,
         "loop": looped.loop.to_dict(),
+        "calibration": calibration,
         **summarize(results, script.task, train_levels, names),
     }
     summary["targets"] = check_targets(summary)
@@ -325,6 +332,13 @@ def _print_summary(summary: dict) -> None:
                 if isinstance(t, dict) and "difference" in t
             )
         )
+    cal = summary.get("calibration")
+    if cal:
+        lines.append(
+            f"  threshold calibrated on {cal['n_rows']} training rows: {cal['field']} = {cal['threshold']:.4f} "
+            f"(trained {cal['previous_threshold']:.4g}), {100 * cal['realized_stop_share']:.1f}% of "
+            f"{cal['n_decisions']} answer steps stop after depth 1 (asked {100 * cal['stop_share']:.0f}%)"
+        )
     lines += _frontier_lines(summary)
     print("\n".join(lines))
 
@@ -343,14 +357,15 @@ def _frontier_lines(summary: dict) -> list[str]:
 
     lines = [
         f"  accuracy-compute frontier ({summary.get('frontier_rows')} rows):",
-        f"    {'model':<8} {'policy':<14} {'thr':>5} {'d̄':>5} {'MFLOPs/tok':>10}  accuracy [95% CI]",
+        f"    {'model':<8} {'policy':<14} {'thr':>6} {'stop':>5} {'d̄':>5} {'MFLOPs/tok':>10}  accuracy [95% CI]",
     ]
     for p in points:
         lo, hi = p.get("accuracy_ci") or [None, None]
         policy = p["policy"] + (" (own)" if p.get("own") else "") + (f" d={p['depth']}" if "depth" in p else "")
-        thr, d_bar, mflops = num(p.get("threshold"), ".2f"), num(p.get("mean_depth"), ".2f"), p["flops_per_token"] / 1e6
+        thr, d_bar, mflops = num(p.get("threshold"), ".4f"), num(p.get("mean_depth"), ".2f"), p["flops_per_token"] / 1e6
+        stop = num(p.get("stop_share"), ".2f")
         lines.append(
-            f"    {p['model']:<8} {policy:<14} {thr:>5} {d_bar:>5} {mflops:>10.1f}  {pct(p['accuracy']):>5}% "
+            f"    {p['model']:<8} {policy:<14} {thr:>6} {stop:>5} {d_bar:>5} {mflops:>10.1f}  {pct(p['accuracy']):>5}% "
             f"[{pct(lo)}–{pct(hi)}]"
         )
     for k, t in (summary.get("decider_vs_random") or {}).items():

@@ -188,6 +188,33 @@ class LoopedForCausalLM(PreTrainedModel):
                 "(set use_sliding_window=False)"
             )
 
+    #: the LoopConfig field holding each method's own decision threshold (``set_decider_threshold``)
+    THRESHOLD_FIELD = {"tah2": "exit_threshold", "anira-o": "halt_threshold"}
+
+    def set_decider_threshold(self, value: float) -> str:
+        """Set the decider's own threshold (TaH2's ``exit_threshold``, ANIRA-O's ``halt_threshold``) in
+        ``config.loop`` (what ``save_pretrained`` writes) and in the halting module that decides; returns the
+        field's name.
+
+        Raises:
+            LoopConfigError: a method without one (the fixed loop; ANIRA-E decides by the argmax of ``q``) or a
+                value outside ``[0, 1]``.
+        """
+        import dataclasses
+
+        method = self.loop.method
+        field = self.THRESHOLD_FIELD.get(method)
+        if field is None:
+            raise LoopConfigError(
+                f"method {method!r} has no decider threshold to set; allowed: {', '.join(self.THRESHOLD_FIELD)}"
+            )
+        if not 0.0 <= float(value) <= 1.0:
+            raise LoopConfigError(f"a decider threshold must lie in [0, 1], got {value!r}")
+        self.config.loop = {**(self.config.loop or {}), field: float(value)}
+        if getattr(self.halting, "loop", None) is not None:
+            self.halting.loop = dataclasses.replace(self.halting.loop, **{field: float(value)})
+        return field
+
     @property
     def loop(self) -> LoopConfig:
         """The ``LoopConfig`` of ``config.loop`` (parsed again whenever that dict changes)."""

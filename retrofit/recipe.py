@@ -233,6 +233,25 @@ class ScriptArgs:
     identity_check: bool = field(
         default=True, metadata={"help": "Check that depth-1 logits equal the base model's before training."}
     )
+    calibrate_stop_share: float | None = field(
+        default=None,
+        metadata={
+            "help": "After training, set the decider's own threshold (TaH2 exit_threshold, ANIRA-O halt_threshold) so "
+            "that this share of the answer steps of --calibrate_rows training rows stops after depth 1: a compute "
+            "budget (at max_depth 2, d̄ = 2 - share), fixed before any test row is seen and saved in the checkpoint "
+            "(docs/evaluation.md). Default: keep the trained threshold."
+        },
+    )
+    calibrate_rows: int = field(
+        default=120, metadata={"help": "Training rows (a seeded sample) --calibrate_stop_share calibrates on."}
+    )
+
+    def __post_init__(self):
+        share = self.calibrate_stop_share
+        if share is not None and not 0.0 <= float(share) <= 1.0:
+            raise RetrofitUserError(f"--calibrate_stop_share must lie in [0, 1], got {share!r}")
+        if self.calibrate_rows < 1:
+            raise RetrofitUserError(f"--calibrate_rows must be >= 1, got {self.calibrate_rows!r}")
 
     def controls(self) -> list[str]:
         names = [c.strip() for c in (self.control or "").split(",") if c.strip()]
@@ -449,6 +468,8 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
     model = prepare_model(model, largs)
 
     # 2. Data: prompt/completion rows; the loss covers the completion only.
+    if script.calibrate_stop_share is not None and script.data_file:
+        raise RetrofitUserError("--calibrate_stop_share calibrates on --task rows; it does not take --data_file yet")
     splits = None if script.data_file else task_splits(script)  # built once: training and the report's test rows
     train, evals, reports = load_data(script, tokenizer, splits)
 
@@ -465,6 +486,11 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
     timings = {"train_looped_s": round(time.time() - t_train, 1)}
     reports.update(trainer.data_report)
     main = trainer.accelerator.is_main_process
+    calibration = None
+    if script.calibrate_stop_share is not None and main:
+        t0 = time.time()
+        calibration = calibrate(looped, tokenizer, script, splits, targs.seed, out)
+        timings["calibrate_s"] = round(time.time() - t0, 1)
     if main:
         from .checkpointing import write_json_atomic
 
@@ -499,8 +525,37 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
                 identity_err,
                 t_start,
                 timings,
+                calibration=calibration,
             )
     return 0
+
+
+def calibrate(looped, tokenizer, script: ScriptArgs, splits, seed: int, out: Path) -> dict:
+    """``--calibrate_stop_share``: place the trained decider's own threshold by compute on a seeded sample
+    of the training rows (``evaluation/calibrate.py``), and write it into the saved checkpoints' configs
+    (``final``, ``final-merged``) and ``calibration.json``."""
+    from .checkpointing import write_json_atomic
+    from .evaluation.calibrate import calibrate_stop_share, write_threshold
+
+    train_rows = splits["train"]
+    n = min(script.calibrate_rows, len(train_rows))
+    sample = train_rows.shuffle(seed=seed).select(range(n))
+    rows = [{k: r[k] for k in ("prompt", "answer", "difficulty")} for r in sample]
+    res = calibrate_stop_share(looped, tokenizer, rows, script.calibrate_stop_share, chat=use_chat(script, tokenizer))
+    res["saved_in"] = [
+        str(out / d) for d in ("final", "final-merged") if write_threshold(out / d, res["field"], res["threshold"])
+    ]
+    write_json_atomic(out / "calibration.json", res)
+    logger.info(
+        "calibrated %s = %.6f (was %.4g): %.1f%% of %d answer steps of %d training rows stop after depth 1",
+        res["field"],
+        res["threshold"],
+        res["previous_threshold"],
+        100 * res["realized_stop_share"],
+        res["n_decisions"],
+        res["n_rows"],
+    )
+    return res
 
 
 def recipe_main(spec: RecipeSpec) -> None:

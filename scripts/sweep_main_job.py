@@ -342,6 +342,95 @@ def gain_deciles(model, tok, valid, batch: int = 32) -> dict:
 
 
 THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
+#: the frontier placed by compute (retrofit/evaluation/calibrate.py): shares of the first decisions that stop
+STOP_SHARES = (0.1, 0.3, 0.5, 0.7, 0.9)
+#: ... and the shares at which random allocation at the same d̄ is drawn
+RANDOM_AT_SHARES = (0.3, 0.5, 0.7)
+#: the main job's operating point: the threshold calibrated on training rows (--calibrate_stop_share)
+CALIBRATE_SHARE = 0.5
+CALIBRATE_ROWS = 120
+
+
+@torch.no_grad()
+def first_decisions_valid(model, tok, valid, batch: int = 32) -> np.ndarray:
+    """The continue probability after depth 1 at every answer step of the validation rows (this script's own
+    tokenization), for placing the frontier by compute."""
+    from retrofit.evaluation.frontier import continue_probabilities
+    from retrofit.evaluation.models import model_info
+
+    info = model_info(model)
+    parts = []
+    for _, ids, am, steps, _chunk in _batches(tok, _examples(tok, valid), batch):
+        out = model(input_ids=ids, attention_mask=am, use_cache=False)
+        parts.append(continue_probabilities(out, info)[..., 0][steps].double().numpy())
+    return np.concatenate(parts)
+
+
+def vs_random(model, tok, valid, ex, dbar, draws: int = 3, **kw) -> dict:
+    """Random allocation of the answer steps at the decider's d̄ (``draws`` seeds), paired on the same rows."""
+    from retrofit.halting.training_free import RandomContinue, continue_rate_for_mean_depth
+
+    D = model.loop.max_depth
+    q = continue_rate_for_mean_depth(min(max(dbar, 1.0), float(D)), D)
+    rand = []
+    for seed in range(draws):
+
+        def pol(n, where, seed=seed):
+            return RandomContinue(q, seed=1000 * seed + n, where=where)
+
+        ex_r, toks_r = tf_eval(model, tok, valid, policy=pol, **kw)
+        rand.append((ex_r, float(np.mean([t[1] for t in toks_r]))))
+    b = np.mean([r[0] for r in rand], axis=0)
+    diff = ex.astype(float) - b
+    return {
+        "rate": q,
+        "decider_accuracy": float(ex.mean()),
+        "decider_mean_depth": dbar,
+        "random_accuracy": float(b.mean()),
+        "random_mean_depth": float(np.mean([r[1] for r in rand])),
+        "decider_minus_random": float(diff.mean()),
+        "sign_flip_p": sign_flip_p(diff),
+        "mcnemar_p_per_draw": [mcnemar_p(ex, r[0]) for r in rand],
+    }
+
+
+def frontier_by_compute(model, tok, valid, train, seed: int, draws: int = 3) -> dict:
+    """The frontier at stop shares of the validation rows' first decisions (a description), random allocation
+    at the same d̄ at ``RANDOM_AT_SHARES``, and the main job's operating point: the threshold calibrated on
+    ``CALIBRATE_ROWS`` training rows at ``CALIBRATE_SHARE`` (never on validation rows), with its own random test."""
+    from retrofit.evaluation.calibrate import calibrate_stop_share, threshold_for_stop_share
+    from retrofit.flops import cost_report
+
+    method = model.loop.method
+    c1 = first_decisions_valid(model, tok, valid)
+    out = {"points": [], "random": {}, "c1_quantiles": [float(x) for x in np.quantile(c1, [0, 0.1, 0.5, 0.9, 1])]}
+
+    def point(ex, toks, **kw):
+        d = np.array([t[1] for t in toks])
+        fl = cost_report(model, torch.as_tensor(d))
+        return {
+            "accuracy": float(ex.mean()),
+            "mean_depth": float(d.mean()),
+            "flops": fl["flops"] / fl["n_tokens"],
+            **kw,
+        }
+
+    for share in STOP_SHARES:
+        tau = threshold_for_stop_share(c1, share, method)
+        ex, toks = tf_eval(model, tok, valid, decider_threshold=tau)
+        p = point(ex, toks, stop_share=share, threshold=tau)
+        out["points"].append(p)
+        if share in RANDOM_AT_SHARES:
+            out["random"][str(share)] = vs_random(model, tok, valid, ex, p["mean_depth"], draws, decider_threshold=tau)
+    if method in ("tah2", "anira-o"):
+        rows = train.shuffle(seed=seed).select(range(min(CALIBRATE_ROWS, len(train))))
+        rows = [{k: r[k] for k in ("prompt", "answer", "difficulty")} for r in rows]
+        cal = calibrate_stop_share(model, tok, rows, CALIBRATE_SHARE, chat=False, progress=False)
+        ex, toks = tf_eval(model, tok, valid)  # the model's own (calibrated) threshold
+        p = point(ex, toks, **cal)
+        p["random"] = vs_random(model, tok, valid, ex, p["mean_depth"], draws)
+        out["calibrated"] = p
+    return out
 
 
 def frontier(model, tok, valid, draws: int = 3) -> dict:
@@ -488,6 +577,7 @@ def run(c: Cfg) -> dict:
             t0 = time.time()
             info["frontier"] = frontier(model, tok, valid)
             info["gain_deciles"] = gain_deciles(model, tok, valid)
+            info["frontier_by_compute"] = frontier_by_compute(model, tok, valid, train, c.seed)
             info["frontier_s"] = round(time.time() - t0, 1)
         res["arms"][arm] = info
         if key is not None:
@@ -522,8 +612,10 @@ def summarize(path: str) -> str:
 
     rows = [
         "| configuration | looped | SFT | diff (p) | d̄ | forced d=1 / 2 | fixed | τ sweep 0.1/0.3/0.5/0.7/0.9: acc @ d̄ "
-        "| decider − random @ τ 0.5 (p) | gain-decile ρ | train s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| decider − random @ τ 0.5 (p) | stop share 0.1/0.3/0.5/0.7/0.9: acc @ d̄ | decider − random @ share "
+        "0.3/0.5/0.7 (p) | calibrated on train (share 0.5): acc @ d̄, MFLOPs vs fixed-depth M, − random (p) "
+        "| gain-decile ρ | train s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for line in Path(path).read_text().splitlines():
         r = json.loads(line)
@@ -535,13 +627,30 @@ def summarize(path: str) -> str:
         sweep = " / ".join(f"{pct(p['accuracy'])}@{p['mean_depth']:.2f}" for p in fr.get("points", []))
         rnd = fr.get("random") or {}
         rtxt = f"{100 * rnd['decider_minus_random']:+.1f} ({rnd['sign_flip_p']:.2g})" if rnd else "—"
+        fc = lo.get("frontier_by_compute") or {}
+        shares = " / ".join(f"{pct(p['accuracy'])}@{p['mean_depth']:.2f}" for p in fc.get("points", []))
+        rs = fc.get("random") or {}
+        rs_txt = " / ".join(f"{100 * v['decider_minus_random']:+.1f} ({v['sign_flip_p']:.2g})" for v in rs.values())
+        cal = fc.get("calibrated")
+        if cal:
+            fpt = lo.get("flops_per_token") or {}
+            full = fpt.get(str(r["cfg"]["max_depth"])) or fpt.get(r["cfg"]["max_depth"])
+            ratio = f" = {cal['flops'] / full:.2f}×" if full else ""
+            cr = cal["random"]
+            cal_txt = (
+                f"{pct(cal['accuracy'])}@{cal['mean_depth']:.2f}, {cal['flops'] / 1e6:.0f}{ratio}, "
+                f"{100 * cr['decider_minus_random']:+.1f} ({cr['sign_flip_p']:.2g})"
+            )
+        else:
+            cal_txt = "—"
         gd = (lo.get("gain_deciles") or {}).get("spearman")
         diff = r.get("looped_minus_sft")
         rows.append(
             f"| {r['cfg']['name']} | {pct(lo.get('mean_acc'))} | {pct(sft.get('mean_acc'))} | "
             + (f"{100 * diff:+.1f} ({r['mcnemar_p']:.2g})" if diff is not None else "—")
             + f" | {lo.get('dbar_answer', float('nan')):.2f} | {pct(lo.get('acc_d1'))} / {pct(lo.get('acc_d2'))} | "
-            f"{pct(fx.get('mean_acc'))} | {sweep or '—'} | {rtxt} | {'—' if gd is None else f'{gd:+.2f}'} | "
+            f"{pct(fx.get('mean_acc'))} | {sweep or '—'} | {rtxt} | {shares or '—'} | {rs_txt or '—'} | {cal_txt} | "
+            f"{'—' if gd is None else f'{gd:+.2f}'} | "
             f"{lo.get('train_s', '—')} |"
         )
     return "\n".join(rows)

@@ -482,8 +482,14 @@ def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
         lo, hi = p["accuracy_ci"]
         assert 0.0 <= lo <= p["accuracy"] <= hi <= 1.0 and p["flops_per_token"] > 0 and p["n"] == 6
         assert (p["mean_depth"] is None) == (p["policy"] == "plain")
-    assert {p["threshold"] for p in on_disk["frontier"] if p["policy"] == "decider"} == {0.1, 0.3, 0.5, 0.7, 0.9}
-    assert set(on_disk["decider_vs_random"]) == {"own", "0.1", "0.3", "0.7", "0.9"}
+    # the main job places its sweep by compute (FRONTIER_STOP_SHARES): one decider point per stop share
+    swept = [p for p in on_disk["frontier"] if p["policy"] == "decider" and not p["own"]]
+    assert sorted(p["stop_share"] for p in swept) == [0.1, 0.3, 0.5, 0.7, 0.9]
+    assert sorted(p["mean_depth"] for p in swept) == [
+        p["mean_depth"] for p in sorted(swept, key=lambda p: -p["stop_share"])
+    ]
+    keys = {p["key"].split(":", 1)[1] for p in swept}
+    assert set(on_disk["decider_vs_random"]) == {"own"} | keys
     for t in on_disk["decider_vs_random"].values():
         assert t["draws"] == 3 and len(t["per_draw"]) == 3 and 0.0 <= t["sign_flip_p"] <= 1.0
     assert on_disk["gain_by_decile"]["n_bins"] == 10
@@ -491,7 +497,7 @@ def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
     assert be["mean_depth"] is None or 1.0 <= be["mean_depth"] <= 2.0
     fc = on_disk["fixed_control"]
     assert fc["fixed"] == "fixed" and fc["n"] == 6 and fc["flops_ratio"] > 0
-    assert {p["key"] for p in fc["frontier_points"]} == {f"decider:{k}" for k in ("own", "0.1", "0.3", "0.7", "0.9")}
+    assert {p["key"] for p in fc["frontier_points"]} == {f"decider:{k}" for k in {"own"} | keys}
     assert set(on_disk["targets"]) == {
         "control_learns",
         "looped_beats_control",

@@ -176,6 +176,12 @@ def continue_probabilities(out, info: ModelInfo) -> torch.Tensor:
     raise ValueError(f"no continue probability for method {info.method!r}; allowed: {', '.join(THRESHOLD_KIND)}")
 
 
+def _tkey(tau: float) -> str:
+    """A threshold's key in the points (``decider:<key>``): 10 significant digits, so thresholds placed by
+    stop share in a narrow band of probabilities stay distinct."""
+    return f"{float(tau):.10g}"
+
+
 def _cat(steps: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate([np.asarray(s, dtype=np.int64) for s in steps]) if steps else np.zeros(0, np.int64)
 
@@ -285,21 +291,33 @@ def model_frontier(
     own_tau = own_threshold(model, info)
     runs: dict[str, tuple[float | None, np.ndarray, list[np.ndarray]]] = {}
     runs["own"] = (own_tau, *outcome([own[i] for i in rows]))
-    for tau in opts.frontier_thresholds:
+    thresholds, shares = list(opts.frontier_thresholds), {}
+    if opts.frontier_stop_shares is not None:  # placed by compute on these rows (evaluation/calibrate.py)
+        from .calibrate import first_decisions, threshold_for_stop_share
+
+        c1 = first_decisions(model, exs, pad, batch_size=opts.batch_size)
+        passes += 1
+        thresholds = []
+        for s in opts.frontier_stop_shares:
+            tau = round(threshold_for_stop_share(c1, s, info.method), 12)
+            shares[_tkey(tau)] = s
+            thresholds.append(tau)
+    for tau in dict.fromkeys(thresholds):
         if own_tau is not None and abs(float(tau) - own_tau) < 1e-12:
             continue  # the model's own threshold: the adaptive pass
         res = argmax_pass(
             model, info, exs, pad, opts, is_stop, max_new_tokens, f"{tag} frontier τ={tau:g}", decider_threshold=tau
         )
         passes += 1
-        runs[f"{tau:g}"] = (float(tau), *outcome(res))
+        runs[_tkey(tau)] = (float(tau), *outcome(res))
     keys = sorted(runs, key=lambda k: (runs[k][0] is None, runs[k][0] if runs[k][0] is not None else 0.0))
     decider_flops: dict[str, float] = {}
     for k in keys:
         tau, c, s = runs[k]
         decider_flops[k] = flops_per_token(model, info, _cat(s))
         label = "decider (own)" if k == "own" else f"decider {tau:g}"
-        add("decider", f"decider:{k}", label, c, s, decider_flops[k], threshold=tau, own=k == "own")
+        extra = {"stop_share": shares[k]} if k in shares else {}
+        add("decider", f"decider:{k}", label, c, s, decider_flops[k], threshold=tau, own=k == "own", **extra)
 
     # --- random allocation at each threshold's d̄ ----------------------------------------------------------
     vs_random: dict[str, Any] = {}
@@ -369,6 +387,7 @@ def model_frontier(
     gains = decision_gains(model, info, exs, pad, opts, f"{tag} frontier gains")
     passes += 1
     entry.update(
+        stop_shares=shares or None,
         threshold_kind=THRESHOLD_KIND.get(info.method),
         own_threshold=own_tau,
         points=arr.points,

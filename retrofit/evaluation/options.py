@@ -112,6 +112,13 @@ class EvalOptions:
         "deeper). The model's own threshold is always a point (the adaptive pass, not run again).",
         (0.1, 0.3, 0.5, 0.7, 0.9),
     )
+    frontier_stop_shares: tuple[float, ...] | None = _help(
+        "Place the frontier's sweep by compute instead (evaluation/calibrate.py): for each share s in [0, 1], the "
+        "threshold at which a share s of the decider's first decisions at the frontier rows' answer steps stops "
+        "after depth 1 (at M = 2, d̄ = 2 - s). Replaces frontier_thresholds; costs one more pass. None = use "
+        "frontier_thresholds.",
+        None,
+    )
     frontier_random_draws: int = _help(
         "Seeded draws of random allocation at each threshold's d̄ (seeds 0..n-1; 0 = no random allocation).", 3
     )
@@ -173,6 +180,13 @@ class EvalOptions:
         ):
             raise ValueError(f"frontier_thresholds must be numbers in [0, 1], got {self.frontier_thresholds!r}")
         self.frontier_thresholds = tuple(float(t) for t in self.frontier_thresholds)
+        if self.frontier_stop_shares is not None:
+            if not isinstance(self.frontier_stop_shares, (list, tuple)) or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) and 0.0 <= t <= 1.0
+                for t in self.frontier_stop_shares
+            ):
+                raise ValueError(f"frontier_stop_shares must be numbers in [0, 1], got {self.frontier_stop_shares!r}")
+            self.frontier_stop_shares = tuple(float(t) for t in self.frontier_stop_shares)
         if (
             isinstance(self.frontier_random_draws, bool)
             or not isinstance(self.frontier_random_draws, int)
