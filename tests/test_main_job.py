@@ -96,6 +96,14 @@ def test_main_job_tiny_budget(tmp_path):
     assert "accuracy-compute frontier" in proc.stdout
     assert (out / "report" / "accuracy_vs_flops.png").exists()
     assert summary["peak_rss_mb"] > 0
+    # the preset calibrates the decider's threshold on training rows (--calibrate_stop_share 0.5) and saves it
+    cal = summary["calibration"]
+    assert cal["field"] == "exit_threshold" and cal["stop_share"] == 0.5 and cal["n_rows"] == 24
+    assert abs(cal["realized_stop_share"] - 0.5) <= 0.5 / cal["n_decisions"] + 0.05  # ties may hold it off 0.5
+    assert summary["loop"]["exit_threshold"] == pytest.approx(cal["threshold"])
+    saved = json.loads((out / "final-merged" / "config.json").read_text())
+    assert saved["loop"]["exit_threshold"] == pytest.approx(cal["threshold"])
+    assert str(out / "final-merged") in cal["saved_in"]
     forced = summary["looped_forced_depth_accuracy"]
     assert set(forced) == {"1", "2"} and all(0.0 <= a <= 1.0 for a in forced.values())
     assert "every token forced to depth 1:" in proc.stdout
