@@ -49,6 +49,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from .calibrate import (  # noqa: F401  (answer_steps_mask, continue_probabilities: imported from here too)
+    THRESHOLD_KIND,
+    answer_steps_mask,
+    continue_probabilities,
+    first_decisions,
+    threshold_for_stop_share,
+)
 from .metrics import decider_decisions, gain_by_decile
 from .models import ModelInfo, batches, device, flops_per_token, forward, progress_bar
 from .options import EvalOptions
@@ -75,12 +82,6 @@ __all__ = [
 NOT_WORSE_MARGIN = 0.03
 #: ... at no more than this share of the fixed control's FLOPs per answer token
 FLOPS_RATIO_MAX = 0.85
-#: what the decider threshold means for each method (``forward(decider_threshold=)``)
-THRESHOLD_KIND = {
-    "tah2": "τ_exit (continue iff c >= τ)",
-    "anira-o": "cumulative halting mass u",
-    "anira-e": "allocation quantile of q",
-}
 
 
 @dataclass
@@ -115,15 +116,6 @@ def frontier_rows(examples: Sequence[Example], per_level: int | None) -> np.ndar
     return np.asarray(keep, dtype=np.int64)
 
 
-def answer_steps_mask(starts: Sequence[int], lengths: Sequence[int], T: int, dev=None) -> torch.Tensor:
-    """``[B, T]`` bool: row ``r``'s answer steps, positions ``starts[r] − 1 … starts[r] + lengths[r] − 1``
-    (the producing positions of its ``m`` answer tokens, then the stop step)."""
-    mask = torch.zeros(len(starts), T, dtype=torch.bool, device=dev)
-    for r, (s, m) in enumerate(zip(starts, lengths)):
-        mask[r, max(0, s - 1) : s + m] = True
-    return mask
-
-
 def batch_seed(draw: int, batch: int) -> int:
     """Seed of random-allocation draw ``draw`` on batch ``batch`` (distinct for every batch under 1,000,003)."""
     return 1_000_003 * int(draw) + int(batch)
@@ -134,7 +126,7 @@ def random_allocation(rate: float, draw: int, dev=None):
     gets ``RandomContinue(rate, seed=batch_seed(draw, b), where=<its answer steps>)``, so every answer step
     continues after each depth with probability ``rate`` and every other position keeps the decider's
     decision."""
-    from retrofit.halting.training_free import RandomContinue
+    from retrofit.model.halting.training_free import RandomContinue
 
     def policy_for_batch(b: int, starts, lengths, T: int):
         return RandomContinue(rate, seed=batch_seed(draw, b), where=answer_steps_mask(starts, lengths, T, dev))
@@ -144,7 +136,7 @@ def random_allocation(rate: float, draw: int, dev=None):
 
 def random_rate(mean_depth: float, max_depth: int) -> float:
     """The continue rate whose geometric depths have mean ``mean_depth`` (0 at d̄ = 1, 1 at d̄ = D)."""
-    from retrofit.halting.training_free import continue_rate_for_mean_depth
+    from retrofit.model.halting.training_free import continue_rate_for_mean_depth
 
     if mean_depth <= 1.0:
         return 0.0
@@ -161,19 +153,6 @@ def own_threshold(model, info: ModelInfo) -> float | None:
     if info.method == "anira-o":
         return float(model.loop.halt_threshold)
     return None
-
-
-def continue_probabilities(out, info: ModelInfo) -> torch.Tensor:
-    """The decider's probability to continue after depth ``d`` ``[B, T, k]`` (column ``d − 1``, ``k <= D − 1``)
-    from a forward's outputs: TaH2 ``c^(d)`` (``halt_signals``), ANIRA-O ``1 − α^(d)`` (the halting
-    probability's complement), ANIRA-E ``P(d* > d) = 1 − Σ_{j<=d} q_j`` (``depth_probs``)."""
-    if info.method == "tah2":
-        return out.halt_signals.float()
-    if info.method == "anira-o":
-        return 1.0 - out.halt_signals.float()
-    if info.method == "anira-e":
-        return 1.0 - out.depth_probs.float().cumsum(-1)[..., : info.max_depth - 1]
-    raise ValueError(f"no continue probability for method {info.method!r}; allowed: {', '.join(THRESHOLD_KIND)}")
 
 
 def _tkey(tau: float) -> str:
@@ -286,15 +265,13 @@ def model_frontier(
         return entry, arr
 
     # --- the decider's threshold sweep ------------------------------------------------------------------
-    from retrofit.flops import break_even_mean_depth
+    from retrofit.model.flops import break_even_mean_depth
 
     own_tau = own_threshold(model, info)
     runs: dict[str, tuple[float | None, np.ndarray, list[np.ndarray]]] = {}
     runs["own"] = (own_tau, *outcome([own[i] for i in rows]))
     thresholds, shares = list(opts.frontier_thresholds), {}
     if opts.frontier_stop_shares is not None:  # placed by compute on these rows (evaluation/calibrate.py)
-        from .calibrate import first_decisions, threshold_for_stop_share
-
         c1 = first_decisions(model, exs, pad, batch_size=opts.batch_size)
         passes += 1
         thresholds = []
