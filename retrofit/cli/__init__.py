@@ -92,4 +92,3 @@ def _main(argv: list[str]) -> int:
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     check_paths(args.command, args)
     return int(args._run(args) or 0)
-

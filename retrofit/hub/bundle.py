@@ -7,13 +7,14 @@ joined by relative imports. ``bundle_modules`` therefore walks the import graph 
 starting from the modules that define the model and config classes (so whatever those import
 — heads, halting methods, the depth loop and its backends, the depth-aware cache, generation, the
 version check — is found, not listed by hand), and writes each module reached as one flat file
-named after its dotted path (``retrofit.model.halting.tah2`` -> ``retrofit_model_halting_tah2.py``), with its
+named after its dotted path without the ``model`` package (``retrofit.model.halting.tah2`` ->
+``retrofit_halting_tah2.py``: the file names of exports made before the package existed), with its
 package imports rewritten:
 
-    from .halting.tah2 import TaH2            ->  from .retrofit_model_halting_tah2 import TaH2
-    from ..config import LoopConfig           ->  from .retrofit_model_config import LoopConfig
-    from .halting import tah2   (module)      ->  from . import retrofit_model_halting_tah2 as tah2
-    import retrofit.model.heads as heads      ->  from . import retrofit_model_heads as heads
+    from .halting.tah2 import TaH2            ->  from .retrofit_halting_tah2 import TaH2
+    from ..config import LoopConfig           ->  from .retrofit_config import LoopConfig
+    from .halting import tah2   (module)      ->  from . import retrofit_halting_tah2 as tah2
+    import retrofit.model.heads as heads      ->  from . import retrofit_heads as heads
 
 Only the modules actually imported are bundled: importing ``retrofit.model.halting.tah2`` does not
 bring ``retrofit/model/halting/__init__.py`` along (Python would run it first; nothing in retrofit relies
@@ -23,7 +24,7 @@ only scanned). The package root (``retrofit/__init__.py``, which registers the A
 never bundled: importing a name from it is an error that says which module to import from
 instead. The TRL integration (``retrofit.model.trl_fused``) is left out: ``retrofit.model.modeling`` imports it
 by name only, so neither the bundler nor transformers' scanner follows it, and the exported code
-needs no TRL. The bundled ``retrofit_model_modeling.py`` runs its own version check of transformers
+needs no TRL. The bundled ``retrofit_modeling.py`` runs its own version check of transformers
 (``retrofit.model.versions``) when imported.
 
 The ``auto_map`` points at a small generated entry file, ``modeling_looped.py`` (``ENTRY``): where
@@ -64,7 +65,12 @@ class _Module:
 
 
 def flat_name(module: str) -> str:
-    """``retrofit.model.halting.tah2`` -> ``retrofit_model_halting_tah2`` (the bundled file's module name)."""
+    """``retrofit.model.halting.tah2`` -> ``retrofit_halting_tah2`` (the bundled file's module name).
+
+    The ``model`` package level is left out, so an export keeps the file names of exports made before
+    ``retrofit/model`` existed (``retrofit_modeling.py``, ``retrofit_halting_tah2.py``, ...)."""
+    if module.startswith(MODEL_PACKAGE + "."):
+        module = PACKAGE + "." + module[len(MODEL_PACKAGE) + 1 :]
     return module.replace(".", "_")
 
 
@@ -219,11 +225,23 @@ def bundle_modules(entries: list[str], package_dir: str | Path | None = None, pa
         package: the package's top-level name.
 
     Returns:
-        ``{file name: source}``, e.g. ``{"retrofit_model_modeling.py": ..., "retrofit_model_halting_tah2.py": ...}``.
+        ``{file name: source}``, e.g. ``{"retrofit_modeling.py": ..., "retrofit_halting_tah2.py": ...}``.
 
     Raises:
         BundleError: an import cannot be expressed in flat files (the message names the line).
     """
+    return _bundle(entries, package_dir, package)[0]
+
+
+def bundled_modules(
+    entries: list[str], package_dir: str | Path | None = None, package: str = PACKAGE
+) -> dict[str, str]:
+    """``{file name: dotted module name}`` of what ``bundle_modules(entries, ...)`` writes."""
+    return _bundle(entries, package_dir, package)[1]
+
+
+def _bundle(entries, package_dir, package) -> tuple[dict[str, str], dict[str, str]]:
+    """``({file name: source}, {file name: dotted module name})`` (``bundle_modules``)."""
     if package_dir is None:
         package_dir = Path(__file__).resolve().parent.parent
     graph = _Graph(Path(package_dir), package)
@@ -247,7 +265,7 @@ def bundle_modules(entries: list[str], package_dir: str | Path | None = None, pa
         todo.extend(sorted(needs))
     for fname, text in out.items():
         _check_no_package_imports(fname, text, package)
-    return out
+    return out, owner
 
 
 def _check_no_package_imports(fname: str, text: str, package: str) -> None:
@@ -315,8 +333,8 @@ def write_remote_code(folder: str | Path, model) -> tuple[dict[str, str], list[s
     source = model_cls.__module__
     if not source.startswith(PACKAGE + "."):
         raise BundleError(f"class defined outside {PACKAGE!r} ({source}); cannot bundle it")
-    files = bundle_modules([source])
-    outside = sorted(f for f in files if not f.startswith(flat_name(MODEL_PACKAGE) + "_"))
+    files, owner = _bundle([source], None, PACKAGE)
+    outside = sorted(m for m in owner.values() if not m.startswith(MODEL_PACKAGE + "."))
     if outside:
         raise BundleError(f"the bundle reaches modules outside {MODEL_PACKAGE!r}: {outside}")
     files[ENTRY + ".py"] = entry_module([config_cls.__name__, model_cls.__name__], flat_name(source), __version__)
