@@ -17,13 +17,13 @@ from .model.convert import convert, looped_config_for
 from .model.families import FAMILIES, UnsupportedArchitectureError
 from .model.heads import parameter_report
 from .model.modeling import (
-    LoopedCausalLMOutput,
     LoopedForCausalLM,
     LoopedLlamaConfig,
     LoopedLlamaForCausalLM,
     LoopedQwen3Config,
     LoopedQwen3ForCausalLM,
 )
+from .model.outputs import LoopedCausalLMOutput
 
 __version__ = "0.1.0"
 

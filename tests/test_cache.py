@@ -7,7 +7,7 @@ import torch
 
 from retrofit import LoopConfig, convert
 from retrofit.model.cache import DepthKVCache
-from retrofit.model.loop import Pack as _Pack
+from retrofit.model.token_sets import Pack as _Pack
 from retrofit.testing import tiny_base
 
 IDS = torch.randint(4, 104, (3, 9), generator=torch.Generator().manual_seed(0))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from retrofit.evaluation import stats as S
-from retrofit.evaluation.metrics import decider_decisions, gain_by_decile
+from retrofit.evaluation.decider_metrics import decider_decisions, gain_by_decile
 from retrofit.evaluation.models import model_info, pad_id
 from retrofit.evaluation.options import EvalOptions
 

@@ -30,8 +30,8 @@ the draws.
 **Gain per decile** (TaH2's check of the decider): one adaptive forward with the gold answers as labels and
 ``output_depth_losses=True`` gives, at every answer token's producing position, the loss at each executed
 depth and at the lookahead depth ``d* + 1``; every decision the decider made there gets its realized gain
-``ℓ^(d) − ℓ^(d+1)`` and its continue probability (:func:`~.metrics.decider_decisions`,
-:func:`~.metrics.gain_by_decile`). The stop step is left out: it has no single gold token to score.
+``ℓ^(d) − ℓ^(d+1)`` and its continue probability (:func:`~.decider_metrics.decider_decisions`,
+:func:`~.decider_metrics.gain_by_decile`). The stop step is left out: it has no single gold token to score.
 
 **Cost.** With ``R`` frontier rows (``frontier_rows_per_level`` per level), ``t`` thresholds (the model's
 own, reused from the adaptive pass, plus the sweep) and ``k`` draws, a decider model runs about
@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from .calibrate import (  # noqa: F401  (answer_steps_mask, continue_probabilities: imported from here too)
     THRESHOLD_KIND,
@@ -56,12 +55,13 @@ from .calibrate import (  # noqa: F401  (answer_steps_mask, continue_probabiliti
     first_decisions,
     threshold_for_stop_share,
 )
-from .metrics import decider_decisions, gain_by_decile
-from .models import ModelInfo, batches, device, flops_per_token, forward, progress_bar
+from .decider_metrics import gain_by_decile
+from .decisions import batch_seed, decision_gains, random_allocation, random_rate
+from .models import ModelInfo, device, flops_per_token
 from .options import EvalOptions
 from .rows import Example
 from .stats import paired_comparison, paired_vs_draws, wilson_interval
-from .teacher_forced import _length_order, argmax_pass, forced_depths_argmax, tf_batch
+from .teacher_forced import argmax_pass, forced_depths_argmax
 
 __all__ = [
     "FLOPS_RATIO_MAX",
@@ -114,35 +114,6 @@ def frontier_rows(examples: Sequence[Example], per_level: int | None) -> np.ndar
             seen[e.level] = seen.get(e.level, 0) + 1
             keep.append(i)
     return np.asarray(keep, dtype=np.int64)
-
-
-def batch_seed(draw: int, batch: int) -> int:
-    """Seed of random-allocation draw ``draw`` on batch ``batch`` (distinct for every batch under 1,000,003)."""
-    return 1_000_003 * int(draw) + int(batch)
-
-
-def random_allocation(rate: float, draw: int, dev=None):
-    """The ``policy_for_batch`` hook of :func:`~.teacher_forced.argmax_pass` for random allocation: batch ``b``
-    gets ``RandomContinue(rate, seed=batch_seed(draw, b), where=<its answer steps>)``, so every answer step
-    continues after each depth with probability ``rate`` and every other position keeps the decider's
-    decision."""
-    from retrofit.model.halting.training_free import RandomContinue
-
-    def policy_for_batch(b: int, starts, lengths, T: int):
-        return RandomContinue(rate, seed=batch_seed(draw, b), where=answer_steps_mask(starts, lengths, T, dev))
-
-    return policy_for_batch
-
-
-def random_rate(mean_depth: float, max_depth: int) -> float:
-    """The continue rate whose geometric depths have mean ``mean_depth`` (0 at d̄ = 1, 1 at d̄ = D)."""
-    from retrofit.model.halting.training_free import continue_rate_for_mean_depth
-
-    if mean_depth <= 1.0:
-        return 0.0
-    if mean_depth >= max_depth:
-        return 1.0
-    return continue_rate_for_mean_depth(float(mean_depth), max_depth)
 
 
 def own_threshold(model, info: ModelInfo) -> float | None:
@@ -375,51 +346,6 @@ def model_frontier(
         wall_s=round(time.time() - t0, 2),
     )
     return entry, arr
-
-
-@torch.no_grad()
-def decision_gains(model, info: ModelInfo, examples: list[Example], pad: int, opts: EvalOptions, desc: str) -> dict:
-    """Every decision of the model's own decider at the answer tokens' producing positions, with its realized
-    gain (:func:`~.metrics.decider_decisions`), from one adaptive forward per batch with the gold answers as
-    labels, ``output_depth_losses=True`` (the lookahead iteration gives ``ℓ^(d*+1)``) and
-    ``labelled_logits_only`` (the LM head at the labelled positions only; the decider still reads every
-    position's distribution, so the depths are the adaptive pass's).
-
-    Returns:
-        ``decider_decisions``' arrays, concatenated over rows.
-    """
-    dev = device(model)
-    parts: list[dict[str, np.ndarray]] = []
-    for chunk in progress_bar(
-        list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
-    ):
-        exs = [examples[i] for i in chunk]
-        ids, mask, starts = tf_batch(exs, pad, dev)
-        labels = torch.full_like(ids, -100)
-        for r, (e, s) in enumerate(zip(exs, starts)):
-            labels[r, s : s + len(e.answer_ids)] = torch.as_tensor(e.answer_ids, device=dev)
-        out = forward(
-            model,
-            info,
-            ids,
-            mask,
-            labels=labels,
-            output_depth_losses=True,
-            labelled_logits_only=True,
-            output_router_logits=False,
-        )
-        cont = continue_probabilities(out, info)  # [B, T, k]
-        for r, (e, s) in enumerate(zip(exs, starts)):
-            pred = torch.arange(len(e.answer_ids), device=dev) + s - 1  # producing positions
-            parts.append(
-                decider_decisions(
-                    out.depths[r, pred].cpu().numpy(),
-                    out.depth_nll[r, pred].float().cpu().numpy(),
-                    cont[r, pred].cpu().numpy(),
-                )
-            )
-    keys = ("gain", "continue_prob", "depth", "continued")
-    return {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0) for k in keys}
 
 
 def fixed_control_comparison(

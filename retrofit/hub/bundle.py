@@ -24,7 +24,7 @@ only scanned). The package root (``retrofit/__init__.py``, which registers the A
 never bundled: importing a name from it is an error that says which module to import from
 instead. The TRL integration (``retrofit.model.trl_fused``) is left out: ``retrofit.model.modeling`` imports it
 by name only, so neither the bundler nor transformers' scanner follows it, and the exported code
-needs no TRL. The bundled ``retrofit_modeling.py`` runs its own version check of transformers
+needs no TRL. The bundled ``retrofit_causal_lm.py`` runs its own version check of transformers
 (``retrofit.model.versions``) when imported.
 
 The ``auto_map`` points at a small generated entry file, ``modeling_looped.py`` (``ENTRY``): where

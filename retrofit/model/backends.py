@@ -10,7 +10,7 @@ tokens compute each depth, and how a state becomes logits.
   lookahead iteration.
 - ``CachedStep``: one step of incremental decoding with a ``retrofit.model.cache.DepthKVCache``: the step's
   new tokens (the prompt at prefill, one token per row afterwards) run the prelude once, then at each
-  depth only the tokens still running are packed (``retrofit.model.loop.Pack``), run through the core, and
+  depth only the tokens still running are packed (``retrofit.model.token_sets.Pack``), run through the core, and
   written to the cache; an exited token is not computed at deeper depths and writes no K/V there.
   Its result equals the full-sequence forward on the whole sequence with the same per-token depths
   (tests/test_generation.py), and a row's result does not depend on the other rows of the batch.
@@ -27,7 +27,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .cache import DepthKVCache
 from .depth_attention import SequenceAttention
-from .loop import AllTokens, Pack, _keep
+from .loop import _keep
+from .token_sets import AllTokens, Pack
 
 
 def call_layer(model, layer, x, mask, pe, pos, store, depth: int):

@@ -44,180 +44,31 @@ attention takes a dense mask), so decoding's numerics do not change.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import importlib
 import weakref
-from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NamedTuple
 
 import torch
 from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.modeling_utils import AttentionInterface
 
 from .attention import base_visibility, depth_key_visibility, depth_rule, segment_ids, to_additive_mask
-
-#: the name ``looped_attention_forward`` is registered under (what ``LoopedAttentionConfig`` reports)
-ATTENTION_NAME = "retrofit_looped"
+from .attention_dispatch import (  # noqa: F401  (their home is attention_dispatch)
+    ATTENTION_NAME,
+    LoopedAttentionConfig,
+    delegate,
+    install,
+)
+from .attention_settings import _SETTINGS, Settings, dense_reference, settings  # noqa: F401
+from .chunked_attention import _CPU_FLASH, _additive, _ChunkedAttention
 
 #: the attention implementations a looped model runs as chosen (``retrofit.convert`` keeps them)
 HONOURED_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-
 
 # ------------------------------------------------------------------------------------------------
-# Settings (tests and benchmarks)
+# Dispatch: what the attention modules of a looped backbone call (the rest: attention_dispatch)
 # ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Settings:
-    """How the full-sequence forward attends (read when the forward starts).
-
-    Args:
-        dense: run the original dense-mask implementation (``dense_reference``): ``[B, 1, T, T]`` additive
-            masks for the prelude and coda, ``[B, 1, T, m·T]`` ones for the core. The reference; O(T²) memory.
-        query_chunk: queries per block of the chunked kernel. Larger blocks mean fewer kernel calls and
-            a larger transient mask (``query_chunk × m·T`` per block).
-        chunk_kernel: ``"auto"`` (PyTorch's flash-attention CPU kernels on CPU, else ``"math"``), ``"cpu"``
-            or ``"math"`` (matmul + softmax per block, any device).
-    """
-
-    dense: bool = False
-    query_chunk: int = 128
-    chunk_kernel: str = "auto"
-
-    def __post_init__(self):
-        if not isinstance(self.query_chunk, int) or self.query_chunk < 1:
-            raise ValueError(f"query_chunk must be an int >= 1, got {self.query_chunk!r}")
-        if self.chunk_kernel not in ("auto", "cpu", "math"):
-            raise ValueError(f"chunk_kernel must be 'auto', 'cpu' or 'math', got {self.chunk_kernel!r}")
-
-
-_SETTINGS: contextvars.ContextVar[Settings] = contextvars.ContextVar("retrofit_depth_attention", default=Settings())
-
-
-@contextlib.contextmanager
-def settings(**changes):
-    """Change ``Settings`` fields for the forwards started inside the block::
-
-    with settings(query_chunk=8, chunk_kernel="math"):
-        out = model(ids, labels=ids)
-    """
-    token = _SETTINGS.set(replace(_SETTINGS.get(), **changes))
-    try:
-        yield _SETTINGS.get()
-    finally:
-        _SETTINGS.reset(token)
-
-
-def dense_reference():
-    """Run the full-sequence forwards inside the block with the original dense masks (the reference)."""
-    return settings(dense=True)
-
-
-# ------------------------------------------------------------------------------------------------
-# Dispatch: what the attention modules of a looped backbone call
-# ------------------------------------------------------------------------------------------------
-class LoopedAttentionConfig:
-    """The config an attention module of a looped backbone sees: the backbone's own config, read and
-    written through, except that ``_attn_implementation`` names ``looped_attention_forward``.
-
-    The user's choice stays on the real config (``inner``), where ``set_attn_implementation`` changes it;
-    ``looped_attention_forward`` reads it on every call.
-    """
-
-    def __init__(self, config):
-        object.__setattr__(self, "inner", config)
-
-    @property
-    def _attn_implementation(self) -> str:
-        return ATTENTION_NAME
-
-    def __getattr__(self, name):
-        if name == "inner" or name.startswith("__"):  # copy/pickle probe dunders before ``inner`` exists
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name, value):
-        setattr(self.inner, name, value)
-
-    def __repr__(self):
-        return f"LoopedAttentionConfig({self.inner._attn_implementation!r})"
-
-
-def install(backbone) -> None:
-    """Route the attention of every decoder layer of ``backbone`` through ``looped_attention_forward``.
-
-    The layers are the base model's own (shared by reference with the base model, which then runs
-    through the same function and gets its own implementation's result: every call without a
-    ``DepthMask`` is handed over unchanged).
-    """
-    proxies: dict[int, LoopedAttentionConfig] = {}
-    for layer in backbone.layers:
-        attn = layer.self_attn
-        if isinstance(attn.config, LoopedAttentionConfig):
-            continue
-        key = id(attn.config)
-        if key not in proxies:
-            proxies[key] = LoopedAttentionConfig(attn.config)
-        attn.config = proxies[key]
-
-
-class _AsBase:
-    """The attention module as its own implementation sees it: the module, with its real config
-    (flash-attention reads ``module.config._attn_implementation`` to pick its kernel)."""
-
-    __slots__ = ("_module", "config")
-
-    def __init__(self, module, config):
-        object.__setattr__(self, "_module", module)
-        object.__setattr__(self, "config", config)
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
-
-
-_EAGER: dict[str, object] = {}
-
-
-def _eager_of(module):
-    """The model file's own ``eager_attention_forward`` (what transformers falls back to for "eager")."""
-    name = type(module).__module__
-    if name not in _EAGER:
-        _EAGER[name] = importlib.import_module(name).eager_attention_forward
-    return _EAGER[name]
-
-
-def delegate(module, query, key, value, attention_mask, impl: str | None = None, **kwargs):
-    """Run the user's attention implementation (or ``impl``, as given) exactly as the base model would.
-
-    Without ``impl``, the decode path's dense masks go to sdpa when the user's implementation is flash- or
-    flex-attention (``_route``): neither takes a dense mask (flash not at all, flex only as a per-element
-    score).
-    """
-    config = module.config.inner if isinstance(module.config, LoopedAttentionConfig) else module.config
-    if impl is None:
-        impl = config._attn_implementation or "sdpa"
-        impl = _route(impl, query, key, attention_mask)
-    fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, _eager_of(module))
-    return fn(_AsBase(module, config), query, key, value, attention_mask, **kwargs)
-
-
-def _route(impl: str, query, key, attention_mask) -> str:
-    """sdpa for what flash- and flex-attention cannot take: a dense 4-D mask (the decode path's), and, for
-    flex, no mask over cached keys (the decode path without padding; transformers' own flex masks are
-    ``BlockMask``s). A 2-D padding mask or None stays with flash-attention, which reads them itself."""
-    if impl in ("sdpa", "eager"):
-        return impl
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-        return "sdpa"
-    if impl == "flex_attention" and attention_mask is None and key.shape[2] != query.shape[2]:
-        return "sdpa"
-    return impl
-
-
 def looped_attention_forward(module, query, key, value, attention_mask, **kwargs):
     """The attention function of a looped backbone's layers (see the module docstring).
 
@@ -492,124 +343,6 @@ class DepthMask:
                 mask_mod, seq.B, None, seq.T, seq.T * m, device=seq.device, _compile=seq.device.type != "cpu"
             )
         return self._block_mask
-
-
-# ------------------------------------------------------------------------------------------------
-# The chunked kernel: linear memory, autograd included
-# ------------------------------------------------------------------------------------------------
-def _additive(vis: torch.Tensor, dtype) -> torch.Tensor:
-    """bool -> additive mask (0 / -inf); both kernels give a fully masked row a zero output and no gradient."""
-    zero = torch.zeros((), dtype=dtype, device=vis.device)
-    return torch.where(vis, zero, zero - float("inf"))
-
-
-def _math_forward(q, k, v, mask, scale):
-    """One query block, matmul + softmax. q ``[B, Hq, C, hd]``; k, v ``[B, Hkv, K, hd]``; mask ``[B, 1, C or 1, K]``
-    additive, or None.
-
-    Query head ``h`` reads key head ``h // G`` (transformers' ``repeat_kv`` layout); the groups are folded
-    into the query axis instead of repeating the keys. Returns ``(out [B, Hq, C, hd], lse [B, Hq, C])``.
-    """
-    B, Hq, C, hd = q.shape
-    Hkv, K = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    s = torch.matmul(q.reshape(B, Hkv, G * C, hd), k.transpose(-1, -2)).float().mul_(scale).view(B, Hkv, G, C, K)
-    if mask is not None:
-        s = s + mask[:, :, None].float()
-    lse = torch.logsumexp(s, -1)
-    lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # fully masked rows: p = 0
-    p = torch.exp(s - lse[..., None])
-    out = torch.matmul(p.to(v.dtype).view(B, Hkv, G * C, K), v).view(B, Hq, C, hd)
-    return out, lse.view(B, Hq, C)
-
-
-def _math_backward(g, q, k, v, out, lse, mask, scale):
-    """Gradients of ``_math_forward`` from its saved output and log-sum-exp (the probabilities are recomputed)."""
-    B, Hq, C, hd = q.shape
-    Hkv, K = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    qf = q.reshape(B, Hkv, G * C, hd)
-    s = torch.matmul(qf, k.transpose(-1, -2)).float().mul_(scale).view(B, Hkv, G, C, K)
-    if mask is not None:
-        s = s + mask[:, :, None].float()
-    p = torch.exp(s - lse.view(B, Hkv, G, C)[..., None])
-    gf = g.reshape(B, Hkv, G * C, hd)
-    delta = (g.float() * out.float()).sum(-1).view(B, Hkv, G, C, 1)
-    dv = torch.matmul(p.view(B, Hkv, G * C, K).transpose(-1, -2).to(g.dtype), gf)
-    dp = torch.matmul(gf, v.transpose(-1, -2)).float().view(B, Hkv, G, C, K)
-    ds = (p * (dp - delta)).mul_(scale).view(B, Hkv, G * C, K).to(q.dtype)
-    dq = torch.matmul(ds, k).view(B, Hq, C, hd)
-    dk = torch.matmul(ds.transpose(-1, -2), qf)
-    return dq, dk, dv
-
-
-def _cpu_forward(q, k, v, mask, scale):
-    out, lse = _CPU_FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-    return out, lse
-
-
-def _cpu_backward(g, q, k, v, out, lse, mask, scale):
-    return _CPU_FLASH_BWD(g, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-
-
-_KERNELS = {"cpu": (_cpu_forward, _cpu_backward), "math": (_math_forward, _math_backward)}
-
-
-class _ChunkedAttention(torch.autograd.Function):
-    """Depth attention by query blocks (see the module docstring).
-
-    Forward: per block and per key part (``DepthMask.parts``), attend and keep the output and the
-    log-sum-exp; a block's parts are merged by their log-sum-exps (as flash attention merges its tiles).
-    Saved for backward: ``q``, the position-major ``k``/``v``, the merged output ``[B, T, Hq, hd]`` and
-    log-sum-exp ``[B, Hq, T]``: all linear in ``T``. Backward: per block and part, the kernel recomputes the
-    probabilities from the merged log-sum-exp (so each part's gradient is that of the whole softmax).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, dm: DepthMask, scale: float):
-        # q [B, Hq, T, hd]; k, v [B, Hkv, T * m, hd] (position-major)
-        B, Hq, T, hd = q.shape
-        fwd, _ = _KERNELS[dm.chunk_kernel]
-        out = q.new_empty(B, T, Hq, hd)
-        lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
-        for blk in dm.plan:
-            t0, t1 = blk.t0, blk.t1
-            res = []
-            for k0, k1, mask, empty in dm.parts(blk, q.dtype):
-                o_p, lse_p = fwd(q[:, :, t0:t1], k[:, :, k0:k1], v[:, :, k0:k1], mask, scale)
-                lse_p = lse_p.float()
-                if empty is not None:
-                    lse_p = lse_p.masked_fill(empty, float("-inf"))
-                res.append((o_p, lse_p))
-            if len(res) == 1:
-                o_b, lse_b = res[0]
-            else:
-                (o1, lse1), (o2, lse2) = res
-                lse_b = torch.logaddexp(lse1, lse2)
-                w1, w2 = torch.exp(lse1 - lse_b)[..., None], torch.exp(lse2 - lse_b)[..., None]
-                o_b = o1 * w1.nan_to_num(0.0).to(o1.dtype) + o2 * w2.nan_to_num(0.0).to(o2.dtype)
-            out[:, t0:t1] = o_b.transpose(1, 2)
-            lse[:, :, t0:t1] = lse_b.masked_fill(torch.isneginf(lse_b), 0.0)  # no visible key (padding): p = 0
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.dm, ctx.scale = dm, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k, v, out, lse = ctx.saved_tensors
-        dm, scale = ctx.dm, ctx.scale
-        _, bwd = _KERNELS[dm.chunk_kernel]
-        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for blk in dm.plan:
-            t0, t1 = blk.t0, blk.t1
-            g_b, o_b = g[:, t0:t1].transpose(1, 2), out[:, t0:t1].transpose(1, 2)
-            for k0, k1, mask, _ in dm.parts(blk, q.dtype):
-                gq, gk, gv = bwd(g_b, q[:, :, t0:t1], k[:, :, k0:k1], v[:, :, k0:k1], o_b, lse[..., t0:t1], mask, scale)
-                dq[:, :, t0:t1] += gq
-                dk[:, :, k0:k1] += gk
-                dv[:, :, k0:k1] += gv
-        return dq, dk, dv, None, None
 
 
 __all__ = [

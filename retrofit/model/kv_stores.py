@@ -179,7 +179,7 @@ class TaggedKV:
 
         Args:
             d: depth (1-based).
-            pack: the active tokens (``retrofit.model.loop.Pack``).
+            pack: the active tokens (``retrofit.model.token_sets.Pack``).
             seq0: sequence index of the step's first token.
             dtype: mask dtype.
 

@@ -76,3 +76,11 @@ class LoopedGenerateOutput(GenerateDecoderOnlyOutput):
 
     depths: torch.Tensor | None = None
     prompt_length: int | None = None
+
+
+def _halting_signals_finite(out: LoopedCausalLMOutput) -> bool:
+    """The decider's outputs (``halt_signals``, ``depth_logits_q``) hold no NaN/inf (True when absent)."""
+    for t in (out.halt_signals, out.halt_logits, out.depth_logits_q):
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+            return False
+    return True
