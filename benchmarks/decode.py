@@ -9,7 +9,7 @@ A random Llama-shaped model (16 layers, hidden 512, 8 heads, vocab 32000) is con
 (``--repeats`` rounds, the minimum per configuration, so background load hits all alike):
 
 1. ``fixed_depth``: ``generate(depth=k)`` vs ``generate(depth=D)``: the time ratio next to the FLOPs
-   ratio (``retrofit.flops``) — exited work should cost nothing.
+   ratio (``retrofit.model.flops``) — exited work should cost nothing.
 2. ``mixed_depth``: a batch whose tokens pick different depths (ANIRA-E with a random decider, mean
    ``d̄``): time vs the FLOPs-proportional ideal ``t(depth=D) · FLOPs(mixed) / FLOPs(D)``; also at
    ``--large-batch`` rows (``mixed_depth_large_batch``), where the layers are compute-bound.
@@ -150,8 +150,8 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from retrofit.cache import DepthKVCache
-    from retrofit.flops import cost_report, model_costs
+    from retrofit.model.cache import DepthKVCache
+    from retrofit.model.flops import cost_report, model_costs
 
     torch.set_num_threads(args.threads)
     base, fixed, mixed = build(args)

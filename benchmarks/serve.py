@@ -9,7 +9,7 @@ token picks a depth in 1..D from its embedding). Every figure is a ratio measure
 configurations timed round-robin (``--repeats`` rounds, the minimum per configuration):
 
 1. ``mixed_depth``: at batch (concurrent requests) 8, 32 and 256, the engine's time for the mixed
-   model vs the FLOPs-proportional ideal ``t(depth D) · FLOPs(mixed) / FLOPs(D)`` (``retrofit.flops``),
+   model vs the FLOPs-proportional ideal ``t(depth D) · FLOPs(mixed) / FLOPs(D)`` (``retrofit.model.flops``),
    both through the engine with ``--waves`` × batch requests, same prompts and lengths.
    ``decode.py`` measures the same ratio for ``generate()`` (1.31–1.45 at batch 32).
    ``steady_time_over_ideal`` is the same ratio over the *steady state* only (batch < 128): the steps
@@ -177,7 +177,7 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from retrofit.flops import cost_report
+    from retrofit.model.flops import cost_report
     from retrofit.serving import Engine, SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -415,7 +415,7 @@ def main(argv=None) -> dict:
                 return clock() - t0
 
         def run_static():
-            from retrofit.cache import DepthKVCache
+            from retrofit.model.cache import DepthKVCache
 
             done = 0.0  # clock time the previous batch ended
             with torch.no_grad():

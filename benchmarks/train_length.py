@@ -18,7 +18,7 @@ loss), batch 1, fp32, one thread.
   wall time (``time``).
 
 ``--paths new,dense`` also runs the looped models on the original dense-mask implementation
-(``retrofit.depth_attention.dense_reference()``: ``[T, T]`` masks for the prelude and coda, ``[T, m·T]``
+(``retrofit.model.depth_attention.dense_reference()``: ``[T, T]`` masks for the prelude and coda, ``[T, m·T]``
 for the core): the "before" figures, in the same run. The base model has one path.
 
 The figure of merit: ``ratios[path][model][T]`` = looped ÷ base, for memory and time; on the
@@ -83,7 +83,7 @@ def make_step(model, path: str):
     """One training step of ``model`` on ``n`` random tokens, on the ``new`` or the ``dense`` path."""
     import torch
 
-    from retrofit.depth_attention import dense_reference, settings
+    from retrofit.model.depth_attention import dense_reference, settings
 
     ctx = dense_reference if path == "dense" else settings
 

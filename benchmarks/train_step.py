@@ -37,8 +37,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import retrofit  # noqa: E402
-from retrofit.cli_params import REAL_SHAPES  # noqa: E402
-from retrofit.halting.base import LossConfig  # noqa: E402
+from retrofit.cli.params import REAL_SHAPES  # noqa: E402
+from retrofit.model.halting.base import LossConfig  # noqa: E402
 from retrofit.testing import spread_decider  # noqa: E402
 
 # SmolLM2-135M's shapes (a Llama: 30 layers, hidden 576, vocab 49152), as `retrofit params` counts them
@@ -53,7 +53,7 @@ def base_model(spec: str, layers: int | None):
         cfg._attn_implementation = "sdpa"
         torch.manual_seed(0)
         return LlamaForCausalLM(cfg)
-    from retrofit.loading import load_model
+    from retrofit.hub.loading import load_model
 
     model, _ = load_model(spec)
     return model

@@ -1,10 +1,9 @@
-"""Chat / SFT data: load rows from disk, and the SFT formatting entry point for data_prep users.
+"""Chat / SFT data: load rows from disk.
 
 :func:`load_rows` reads a ``.jsonl`` / ``.json`` / ``.parquet`` file, a ``save_to_disk`` folder, a
 Dataset / DatasetDict or a list of dicts into a list of row dicts (the recipes read ``--data_file``
-through it). :func:`to_sft_dataset` is a thin alias of the project's one SFT formatter,
-``retrofit.sft_data.format_sft_dataset``, applied to those rows: rows need ``prompt`` and
-``completion`` (or ``answer``, as the task rows of ``data_prep.tasks`` have) strings.
+through it). Formatting them for TRL is retrofit's job (``retrofit.training.sft_data.to_sft_dataset``):
+``data_prep`` never imports ``retrofit``.
 """
 
 from __future__ import annotations
@@ -23,16 +22,11 @@ logger = logging.getLogger(__name__)
 _ACCEPTED = "'prompt' + 'completion' or 'prompt' + 'answer'"
 
 
-def _user_error_base():
-    try:  # one-line reporting by retrofit's entry points (retrofit.errors.run_cli)
-        from retrofit.errors import RetrofitUserError
-    except ImportError:  # data_prep used without retrofit
-        return Exception
-    return RetrofitUserError
-
-
-class DataError(_user_error_base(), ValueError):
+class DataError(ValueError):
     """A data problem the user can fix; names the row (or file line) and what is allowed.
+
+    retrofit's entry points report it as one ``error:`` line with exit code 2 like their own user errors
+    (``retrofit.model.errors.is_user_error`` recognises it; ``data_prep`` does not import ``retrofit``).
 
     Attributes:
         row_index: Index of the offending row, or None for file-level problems.
@@ -230,34 +224,6 @@ def load_rows(source: Any, split: str | None = None, check_rows: bool = True) ->
     raise DataError(
         f"{path}: unsupported file type {suffix!r}; supported: .jsonl, .ndjson, .json, .parquet, a save_to_disk folder"
     )
-
-
-# --- SFT formatting ----------------------------------------------------------------------------
-
-
-def to_sft_dataset(source: Any, chat: bool = False, split: str | None = None):
-    """Rows from any source :func:`load_rows` reads, formatted for TRL by the project's one SFT formatter.
-
-    A thin alias: ``retrofit.sft_data.format_sft_dataset(datasets.Dataset.from_list(load_rows(source, split)),
-    chat=chat)``. Rows need ``prompt`` and ``completion`` (or ``answer``) strings; the formatter
-    skips rows with an empty or non-string completion, counting them in its report.
-
-    Args:
-        source: a file, a ``save_to_disk`` folder, a Dataset / DatasetDict or a list of dicts.
-        chat: emit conversational rows (one user and one assistant message) for a tokenizer
-            with a chat template; else plain strings.
-        split: the split of a DatasetDict (default ``train`` or the only split).
-
-    Returns:
-        ``(dataset, report)`` as ``format_sft_dataset`` returns them.
-
-    Raises:
-        DataError: the source cannot be read.
-        retrofit.sft_data.BadDataError: a required column is missing or no row is usable.
-    """
-    from retrofit.sft_data import format_sft_dataset
-
-    return format_sft_dataset(datasets.Dataset.from_list(load_rows(source, split)), chat=chat)
 
 
 def write_jsonl(rows: Iterable[dict], path: str | os.PathLike) -> None:

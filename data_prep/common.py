@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 __all__ = ["ANSWER_SEP", "Task", "check_level", "derive_seed", "exact_match", "first_line", "level_rng"]
 
 #: Text between a task row's ``prompt`` and its ``answer`` when they are joined into one raw (non-chat) string:
-#: SFT formatting (``retrofit.sft_data.format_sft_dataset``), ``retrofit eval`` (``EvalOptions.answer_sep``) and
-#: the lm-eval task folders all use it, so a model is evaluated on the text it was trained on ("+ 3 4 = 7").
+#: SFT formatting (``retrofit.training.sft_data.format_sft_dataset``), ``retrofit eval``
+#: (``EvalOptions.answer_sep``) and the lm-eval task folders all use it, so a model is evaluated on the text it
+#: was trained on ("+ 3 4 = 7").
 ANSWER_SEP = " "
 
 

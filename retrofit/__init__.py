@@ -6,24 +6,24 @@ adaptive depth (TaH2, ANIRA-E/O, fixed), plus training-free exits and TAPS.
     >>> out = looped(input_ids)          # out.logits, out.depths ([B, T], 1-based)
 """
 
-from .versions import check_versions
+from .model.versions import check_versions
 
 check_versions()  # fail early on an untested transformers / TRL / PEFT (RETROFIT_SKIP_VERSION_CHECK=1 skips)
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from .config import ATTENTION_MODES, METHODS, LoopConfig, LoopConfigError
-from .convert import convert, looped_config_for
-from .families import FAMILIES, UnsupportedArchitectureError
-from .heads import parameter_report
-from .modeling import (
-    LoopedCausalLMOutput,
+from .model.config import ATTENTION_MODES, METHODS, LoopConfig, LoopConfigError
+from .model.convert import convert, looped_config_for
+from .model.families import FAMILIES, UnsupportedArchitectureError
+from .model.heads import parameter_report
+from .model.modeling import (
     LoopedForCausalLM,
     LoopedLlamaConfig,
     LoopedLlamaForCausalLM,
     LoopedQwen3Config,
     LoopedQwen3ForCausalLM,
 )
+from .model.outputs import LoopedCausalLMOutput
 
 __version__ = "0.1.0"
 

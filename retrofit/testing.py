@@ -83,7 +83,7 @@ def tiny_base(family: str = "llama", seed: int = 0, attn_implementation: str = "
 def decider_score_layer(model) -> torch.nn.Linear:
     """The output (score) layer of a looped model's TaH2 decider: ``score`` of the ``"swiglu"`` decider,
     ``fc2`` of the ``"ffn"`` one. Tests and benchmarks redraw it to get a mix of exit depths."""
-    from .heads import SwiGLUDecider
+    from .model.heads import SwiGLUDecider
 
     decider = model.halting.decider
     return decider.score if isinstance(decider, SwiGLUDecider) else decider.fc2
@@ -95,7 +95,7 @@ def spread_decider(model, std: float | None = None, logit_std: float | None = No
     ``logit_std`` a std chosen so that the continue logits spread about that much
     (``logit_std / sqrt(fan_in)``); the bias (if any) is zeroed. A ``"swiglu"`` decider's inner layers are
     redrawn at unit gain too (``1 / sqrt(fan_in)``)."""
-    from .heads import SwiGLUDecider
+    from .model.heads import SwiGLUDecider
 
     decider = model.halting.decider
     if isinstance(decider, SwiGLUDecider):

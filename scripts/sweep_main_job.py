@@ -94,7 +94,7 @@ _BASE = None
 def base_model():
     global _BASE
     if _BASE is None:
-        from retrofit.loading import load_model
+        from retrofit.hub.loading import load_model
 
         _BASE = load_model("smollm2", dtype=torch.float32)
     m, tok = _BASE
@@ -368,7 +368,7 @@ def first_decisions_valid(model, tok, valid, batch: int = 32) -> np.ndarray:
 
 def vs_random(model, tok, valid, ex, dbar, draws: int = 3, **kw) -> dict:
     """Random allocation of the answer steps at the decider's d̄ (``draws`` seeds), paired on the same rows."""
-    from retrofit.halting.training_free import RandomContinue, continue_rate_for_mean_depth
+    from retrofit.model.halting.training_free import RandomContinue, continue_rate_for_mean_depth
 
     D = model.loop.max_depth
     q = continue_rate_for_mean_depth(min(max(dbar, 1.0), float(D)), D)
@@ -399,7 +399,7 @@ def frontier_by_compute(model, tok, valid, train, seed: int, draws: int = 3) -> 
     at the same d̄ at ``RANDOM_AT_SHARES``, and the main job's operating point: the threshold calibrated on
     ``CALIBRATE_ROWS`` training rows at ``CALIBRATE_SHARE`` (never on validation rows), with its own random test."""
     from retrofit.evaluation.calibrate import calibrate_stop_share, threshold_for_stop_share
-    from retrofit.flops import cost_report
+    from retrofit.model.flops import cost_report
 
     method = model.loop.method
     c1 = first_decisions_valid(model, tok, valid)
@@ -436,8 +436,8 @@ def frontier_by_compute(model, tok, valid, train, seed: int, draws: int = 3) -> 
 def frontier(model, tok, valid, draws: int = 3) -> dict:
     """The accuracy-compute frontier on the validation rows: the decider at each threshold, and random
     allocation of the answer steps at the decider's d̄ there (``draws`` seeds), paired on the same rows."""
-    from retrofit.flops import cost_report
-    from retrofit.halting.training_free import RandomContinue, continue_rate_for_mean_depth
+    from retrofit.model.flops import cost_report
+    from retrofit.model.halting.training_free import RandomContinue, continue_rate_for_mean_depth
 
     D = model.loop.max_depth
     out = {"points": [], "random": []}
@@ -567,7 +567,7 @@ def run(c: Cfg) -> dict:
                 info[f"exact_d{dd}"] = "".join("1" if x else "0" for x in ex_d)
                 info[f"tok_nll_d{dd}"] = [round(t[2], 4) for t in toks_d]
                 info[f"acc_d{dd}"] = float(ex_d.mean())
-            from retrofit.flops import cost_report
+            from retrofit.model.flops import cost_report
 
             info["flops_per_token"] = {
                 dd: cost_report(model, torch.full((8,), dd), decider=False)["flops"] / 8

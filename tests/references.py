@@ -1,5 +1,5 @@
 """Independent references for the halting methods' losses and outputs, written out with Python loops
-and plain formulas: they share no code with ``retrofit.halting`` (which they check). The brute-force
+and plain formulas: they share no code with ``retrofit.model.halting`` (which they check). The brute-force
 references of the looped forward itself are in ``bruteforce.py``."""
 
 from __future__ import annotations

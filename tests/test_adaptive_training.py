@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 import retrofit
-from retrofit.checkpointing import last_checkpoint
-from retrofit.config import LoopConfig
-from retrofit.halting.training_free import RandomContinue, continue_rate_for_mean_depth
-from retrofit.heads import SwiGLUDecider
+from retrofit.model.config import LoopConfig
+from retrofit.model.halting.training_free import RandomContinue, continue_rate_for_mean_depth
+from retrofit.model.heads import SwiGLUDecider
 from retrofit.testing import char_tokenizer, spread_decider, tiny_base
 from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
+from retrofit.training.checkpointing import last_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -96,7 +96,7 @@ def test_decider_without_probability_features_needs_no_per_depth_readout():
     with torch.no_grad():
         out = m(_ids())
     assert out.halt_signals is not None and out.depths.max() <= 2
-    from retrofit.flops import cost_report
+    from retrofit.model.flops import cost_report
 
     with_readout = cost_report(_model(decider_top_k=0), out.depths)  # mixture on: reads every depth
     without = cost_report(m, out.depths)

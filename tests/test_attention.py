@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from retrofit.attention import base_visibility, depth_key_visibility
+from retrofit.model.attention import base_visibility, depth_key_visibility
 
 
 def reference(depths, m, mode, pad):

@@ -1,4 +1,4 @@
-"""The depth-aware KV cache (retrofit.cache): compact storage, memory accounting, batch operations."""
+"""The depth-aware KV cache (retrofit.model.cache): compact storage, memory accounting, batch operations."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from retrofit import LoopConfig, convert
-from retrofit.cache import DepthKVCache
-from retrofit.loop import Pack as _Pack
+from retrofit.model.cache import DepthKVCache
+from retrofit.model.token_sets import Pack as _Pack
 from retrofit.testing import tiny_base
 
 IDS = torch.randint(4, 104, (3, 9), generator=torch.Generator().manual_seed(0))

@@ -166,7 +166,7 @@ def test_write_threshold_into_a_saved_checkpoint(tmp_path):
 
 
 def test_recipe_rejects_a_bad_stop_share():
-    from retrofit.errors import RetrofitUserError
+    from retrofit.model.errors import RetrofitUserError
     from retrofit.recipe import ScriptArgs
 
     with pytest.raises(RetrofitUserError, match="calibrate_stop_share"):

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import retrofit
 from retrofit.cli import main
-from retrofit.cli_convert import IdentityCheckError, _gguf_provenance, check_identity
+from retrofit.cli.convert import IdentityCheckError, _gguf_provenance, check_identity
 from retrofit.testing import char_tokenizer, tiny_base
 
 IDS = torch.randint(4, 104, (2, 11), generator=torch.Generator().manual_seed(0))
@@ -99,7 +99,7 @@ def test_convert_folder_records_provenance_and_feeds_export(tmp_path):
     # what convert writes, export accepts; the card carries the recorded provenance
     exp = tmp_path / "exported"
     assert main(["export", str(out), "--out", str(exp)]) == 0
-    from retrofit.model_card import split_front_matter
+    from retrofit.hub.model_card import split_front_matter
 
     meta, _ = split_front_matter((exp / "README.md").read_text())
     assert meta["base_model"] == "acme/tiny-qwen3" and meta["license"] == "mit" and "anira-o" in meta["tags"]
@@ -156,7 +156,7 @@ def test_identity_check_catches_a_mismatch():
 
 
 def test_gguf_provenance_of_the_embedded_smollm2():
-    from retrofit.loading import smollm2_gguf_path
+    from retrofit.hub.loading import smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path(fetch=False)

@@ -1,4 +1,4 @@
-"""Control arms (``retrofit.controls``): the same budget as the looped arm, in the same run.
+"""Control arms (``retrofit.recipe.controls``): the same budget as the looped arm, in the same run.
 
 A control is only fair if it sees the same rows in the same order for the same steps with the same
 learning rate. These tests train a tiny looped arm and its controls in process and compare the batches each
@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from retrofit.config import LoopConfig
-from retrofit.convert import base_model_of, convert
-from retrofit.modeling import LoopedForCausalLM
+from retrofit.model.config import LoopConfig
+from retrofit.model.convert import base_model_of, convert
+from retrofit.model.modeling import LoopedForCausalLM
 from retrofit.recipe import LoopArgs, train_and_save
 from retrofit.testing import char_tokenizer, tiny_base
 from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
@@ -61,7 +61,7 @@ def _args(out, **kw):
 
 @pytest.mark.parametrize("control", ["sft", "fixed"])
 def test_control_sees_the_same_batches_in_the_same_order(tmp_path, seen_batches, control):
-    from retrofit.controls import train_control
+    from retrofit.recipe.controls import train_control
 
     tok = char_tokenizer()
     base = tiny_base("llama")
@@ -107,7 +107,7 @@ def test_control_sees_the_same_batches_in_the_same_order(tmp_path, seen_batches,
 
 def test_sft_control_changes_the_model_and_is_plain_at_depth_one(tmp_path):
     """The SFT arm is the base function (depth 1, no decider): its first loss equals the base model's."""
-    from retrofit.controls import control_loop_config
+    from retrofit.recipe.controls import control_loop_config
 
     largs = LoopArgs(model="tiny-llama", prelude=1, core=3, max_depth=3, method="tah2")
     cfg = control_loop_config("sft", largs)

@@ -13,8 +13,9 @@ import nltk
 import pytest
 
 from data_prep import brevo, build, gsm, lano
-from data_prep.chat import DataError, load_rows, to_sft_dataset, write_jsonl
+from data_prep.chat import DataError, load_rows, write_jsonl
 from data_prep.tasks import TASKS, build_dataset, build_splits, decode_features, get_task
+from retrofit.training.sft_data import to_sft_dataset
 
 EXPECTED_KEYS = {
     "mano",
@@ -622,7 +623,7 @@ GOOD_ROWS = [
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_to_sft_dataset_is_the_training_formatter(chat):
-    """data_prep.chat.to_sft_dataset is an alias: the same rows and report as retrofit.training's formatter."""
+    """to_sft_dataset (data_prep.chat.load_rows, then the formatter): the same rows and report as the formatter."""
     from retrofit.training import format_sft_dataset
 
     task_rows = build_dataset("mano", [2, 3], 3, seed=0).to_list()

@@ -17,7 +17,8 @@ import torch
 
 import retrofit
 from retrofit import LoopConfig, convert
-from retrofit.export import (
+from retrofit.hub.bundle import bundled_modules
+from retrofit.hub.export import (
     BundleError,
     ExportError,
     bundle_modules,
@@ -25,11 +26,11 @@ from retrofit.export import (
     export_model,
     flat_name,
 )
-from retrofit.model_card import split_front_matter
+from retrofit.hub.model_card import split_front_matter
 from retrofit.testing import char_tokenizer, spread_decider, tiny_base
 
 REPO = Path(retrofit.__file__).resolve().parent.parent
-HAS_CACHE_GENERATION = importlib.util.find_spec("retrofit.generation") is not None
+HAS_CACHE_GENERATION = importlib.util.find_spec("retrofit.model.generation") is not None
 
 # Run in a fresh interpreter (-I: no PYTHON* variables, no cwd on sys.path) with retrofit hidden: a
 # meta-path finder refuses it (the editable install would otherwise still find it) and path entries
@@ -243,7 +244,7 @@ def test_bundled_code_needs_only_torch_transformers_and_hub(tmp_path):
     the bundle must not pull in TRL, PEFT, matplotlib, … ."""
     from transformers.dynamic_module_utils import get_imports
 
-    for fname, text in bundle_modules(["retrofit.modeling"]).items():
+    for fname, text in bundle_modules(["retrofit.model.modeling"]).items():
         (tmp_path / fname).write_text(text)
         extra = set(get_imports(tmp_path / fname)) - set(sys.stdlib_module_names) - ALLOWED_IMPORTS
         assert not extra, f"{fname} imports {sorted(extra)}"
@@ -265,7 +266,7 @@ def test_allowed_imports_are_transformers_requirements():
 
 
 def test_bundle_of_retrofit_follows_the_import_graph():
-    files = bundle_modules(["retrofit.modeling"])
+    files = bundle_modules(["retrofit.model.modeling"])
     # what modeling imports directly must be there, and each file's own package imports too
     for fname, text in files.items():
         for node in ast.walk(ast.parse(text)):
@@ -291,8 +292,11 @@ def test_bundle_of_retrofit_follows_the_import_graph():
         "cache",
         "versions",
     ):
-        assert f"retrofit_{m}.py" in files
+        assert f"retrofit_{m}.py" in files  # the file names of exports made before retrofit/model existed
     assert flat_name("retrofit") + ".py" not in files  # the root __init__ registers Auto classes
+    assert flat_name("retrofit.model") + ".py" not in files  # nor does the model package's own __init__
+    names = bundled_modules(["retrofit.model.modeling"])
+    assert set(names) == set(files) and all(m.startswith("retrofit.model.") for m in names.values())
     assert "retrofit_export.py" not in files and "retrofit_loading.py" not in files
     # the TRL integration stays out: exported code neither imports nor mentions a TRL module
     assert "retrofit_trl_fused.py" not in files
@@ -528,7 +532,7 @@ def test_model_card(exported):
 
 
 def test_card_from_trainer_eval_results(tmp_path):
-    from retrofit.model_card import read_eval_summary
+    from retrofit.hub.model_card import read_eval_summary
 
     (tmp_path / "eval_results.json").write_text(json.dumps({"eval_loss": 1.25, "eval_mean_depth": 1.75, "epoch": 1}))
     s = read_eval_summary(tmp_path)
@@ -586,7 +590,7 @@ def test_refuses_non_empty_out_without_overwrite(tmp_path):
     with pytest.raises(ExportError, match="not empty.*--overwrite"):
         export_model(m, out)
     assert (out / "keep.txt").read_text() == "precious"
-    # --overwrite replaces only a folder retrofit wrote (retrofit.output_paths): not this one
+    # --overwrite replaces only a folder retrofit wrote (retrofit.hub.output_paths): not this one
     with pytest.raises(ExportError, match="only an empty folder or one written by retrofit"):
         export_model(m, out, overwrite=True)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
@@ -601,7 +605,7 @@ def test_refuses_non_empty_out_without_overwrite(tmp_path):
 
 
 def test_failure_never_leaves_a_half_written_folder(tmp_path, monkeypatch):
-    import retrofit.export as ex
+    import retrofit.hub.export as ex
 
     def boom(*a, **k):
         raise RuntimeError("injected failure")
@@ -654,7 +658,7 @@ class FakeHfApi:
 
 
 def test_cli_export_push_to_hub_mocked(tmp_path, monkeypatch, capsys):
-    import retrofit.export as ex
+    import retrofit.hub.export as ex
     from retrofit.cli import main
 
     m = looped("llama", "tah2")

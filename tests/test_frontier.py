@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from retrofit.evaluation import stats as S
-from retrofit.evaluation.metrics import decider_decisions, gain_by_decile
+from retrofit.evaluation.decider_metrics import decider_decisions, gain_by_decile
 from retrofit.evaluation.models import model_info, pad_id
 from retrofit.evaluation.options import EvalOptions
 
@@ -218,7 +218,7 @@ def test_gain_table_from_the_model_matches_a_per_row_forward(tok):
 
 @pytest.mark.parametrize("D", [2, 3])
 def test_break_even_mean_depth_vs_hand_computation(D):
-    from retrofit.flops import break_even_mean_depth, cost_report, model_costs
+    from retrofit.model.flops import break_even_mean_depth, cost_report, model_costs
 
     model = _looped(max_depth=D, prelude=2, core=2)  # a coda of 2 layers: TaH2 runs it at every depth
     c = model_costs(model)
@@ -247,7 +247,7 @@ def test_break_even_mean_depth_vs_hand_computation(D):
 
 
 def test_break_even_mean_depth_edge_cases(monkeypatch):
-    import retrofit.flops as F
+    import retrofit.model.flops as F
 
     model = _looped(max_depth=2)
     costs = F.model_costs(model)
@@ -272,7 +272,7 @@ def test_frontier_points_equal_separate_passes(tok, forced_depths):
     from retrofit.evaluation.decoding import stop_rule
     from retrofit.evaluation.rows import prepare
     from retrofit.evaluation.teacher_forced import argmax_pass
-    from retrofit.flops import cost_report
+    from retrofit.model.flops import cost_report
 
     model = _looped(seed=3)
     rows = R.task_rows("mano", [2, 3, 4], n=4, seed=5)
@@ -442,9 +442,9 @@ def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
     """main_job_report on tiny models (looped TaH2, a fixed-depth control, an SFT stand-in, the base): summary.json
     holds the frontier (every model and policy), the decider-vs-random tests, the gain table, the break-even d̄,
     the fixed-control comparison and every target; the plot is in report/; the summary prints the tables."""
-    from retrofit.controls import TrainedControl
     from retrofit.evaluation.rows import task_rows
-    from retrofit.main_job import check_targets, main_job_report
+    from retrofit.recipe.controls import TrainedControl
+    from retrofit.recipe.main_job import check_targets, main_job_report
     from retrofit.testing import tiny_base
 
     looped = _looped(max_depth=2, prelude=2, core=2)

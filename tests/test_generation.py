@@ -1,4 +1,4 @@
-"""Incremental decoding and generate() of looped models (retrofit.generation).
+"""Incremental decoding and generate() of looped models (retrofit.model.generation).
 
 The full-sequence forward is the reference (it is itself checked against a token-by-token
 brute force in tests/test_modeling.py): decoding with the depth-aware cache must give the same
@@ -16,8 +16,8 @@ import torch
 from transformers import DynamicCache, TextStreamer
 
 from retrofit import LoopConfig, convert
-from retrofit.cache import DepthKVCache
-from retrofit.outputs import LoopedGenerateOutput
+from retrofit.model.cache import DepthKVCache
+from retrofit.model.outputs import LoopedGenerateOutput
 from retrofit.testing import char_tokenizer, spread_decider, tiny_base
 
 SPLITS = {"whole": {"prelude": 0, "core": None}, "middle": {"prelude": 1, "core": 3}}
@@ -301,7 +301,7 @@ def test_bad_inputs_raise(tok):
 # FLOPs accounting
 # ------------------------------------------------------------------------------------------------
 def test_cost_report_against_hand_counts(tok):
-    from retrofit.flops import cost_report, generate_cost, model_costs
+    from retrofit.model.flops import cost_report, generate_cost, model_costs
 
     model = looped("llama", "fixed", "middle", max_depth=3)  # prelude 1, core 3, coda 2
     c = model_costs(model)
@@ -337,7 +337,7 @@ def test_shared_depth_steps_match_full_forward(split, attention, monkeypatch):
     """One-token steps in which every row runs the same depths take the cache's uniform path (one slot
     shared by all rows, written by slicing); once depths mix, the general path takes over. Both equal
     the full forward."""
-    from retrofit.kv_stores import TaggedKV
+    from retrofit.model.kv_stores import TaggedKV
 
     calls = []
     orig = TaggedKV._begin_uniform

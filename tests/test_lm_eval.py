@@ -391,7 +391,7 @@ def test_lm_eval_command_line_equals_retrofit_eval(tmp_path, looped, tok, offlin
     """lm-eval's accuracy per level and per task equals retrofit eval's on the same rows (same greedy
     decoding, same stop rule, same scorer), and so do d̄ of the generated tokens and each text."""
     from retrofit.evaluation import evaluate
-    from retrofit.flops import cost_report
+    from retrofit.model.flops import cost_report
 
     ckpt = tmp_path / "ckpt"
     looped.save_pretrained(ckpt)

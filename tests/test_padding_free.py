@@ -1,6 +1,6 @@
 """``padding_free=True`` (TRL's flag): each batch's rows concatenated into one row, sequences kept apart by
 position-id resets, so no compute goes to padding. The looped model builds its block-diagonal masks from the
-position ids (``retrofit.attention.base_visibility``), so a padding-free step must give the loss, the
+position ids (``retrofit.model.attention.base_visibility``), so a padding-free step must give the loss, the
 auxiliary loss and every gradient of the padded step on the same rows. The main job's preset turns it on
 (a fifth of its padded batch was padding).
 """
@@ -11,8 +11,8 @@ import datasets
 import pytest
 import torch
 
-from retrofit.config import LoopConfig
-from retrofit.convert import convert
+from retrofit.model.config import LoopConfig
+from retrofit.model.convert import convert
 from retrofit.testing import char_tokenizer, spread_decider, tiny_base
 from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
 

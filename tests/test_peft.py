@@ -8,9 +8,9 @@ import torch
 from peft import PeftModel
 
 import retrofit
-from retrofit.checkpointing import assert_safetensors_only
 from retrofit.testing import char_tokenizer, spread_decider, tiny_base
 from retrofit.training import LORA_TARGETS, RetrofitSFTConfig, RetrofitSFTTrainer, apply_lora, format_sft_dataset
+from retrofit.training.checkpointing import assert_safetensors_only
 
 
 @pytest.fixture(autouse=True)

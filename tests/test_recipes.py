@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from retrofit.checkpointing import assert_safetensors_only
+from retrofit.training.checkpointing import assert_safetensors_only
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration

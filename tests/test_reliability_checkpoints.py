@@ -25,8 +25,10 @@ import torch
 from safetensors.torch import save_file
 
 import retrofit
-from retrofit import checkpointing as C
-from retrofit.checkpointing import (
+from retrofit.hub import atomic_io as A
+from retrofit.testing import char_tokenizer, tiny_base
+from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
+from retrofit.training.checkpointing import (
     InvalidCheckpointError,
     atomic_dir,
     checkpoint_problems,
@@ -34,8 +36,6 @@ from retrofit.checkpointing import (
     safetensors_header,
     write_json_atomic,
 )
-from retrofit.testing import char_tokenizer, tiny_base
-from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,7 +132,7 @@ def test_broken_last_checkpoint_is_skipped_and_resume_falls_back(run, tmp_path, 
     problems = checkpoint_problems(out / "checkpoint-4")
     assert any(why in p for p in problems), problems
     assert checkpoint_problems(out / "checkpoint-2") == []
-    with caplog.at_level(logging.WARNING, logger="retrofit.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="retrofit.training.checkpointing"):
         assert last_checkpoint(out) == str(out / "checkpoint-2")
     assert any("skipping checkpoint" in r.message and why in r.message for r in caplog.records), caplog.text
 
@@ -218,10 +218,10 @@ def test_kill_during_save_leaves_the_previous_checkpoint_valid(run, tmp_path):
 def test_commit_fsyncs_files_before_the_rename_and_the_parent_after(tmp_path, monkeypatch):
     events = []
     real_rename = os.rename
-    monkeypatch.setattr(C, "fsync_file", lambda p: events.append(("file", Path(p).name)))
-    monkeypatch.setattr(C, "_fsync_dir", lambda p: events.append(("dir", Path(p).name)))
+    monkeypatch.setattr(A, "fsync_file", lambda p: events.append(("file", Path(p).name)))
+    monkeypatch.setattr(A, "_fsync_dir", lambda p: events.append(("dir", Path(p).name)))
     monkeypatch.setattr(
-        C.os, "rename", lambda a, b: (events.append(("rename", Path(a).name, Path(b).name)), real_rename(a, b))
+        A.os, "rename", lambda a, b: (events.append(("rename", Path(a).name, Path(b).name)), real_rename(a, b))
     )
     with atomic_dir(tmp_path / "final") as tmp:
         (tmp / "a.bin").write_bytes(b"1")
@@ -241,7 +241,7 @@ def test_write_json_atomic_never_leaves_a_partial_file(tmp_path, monkeypatch):
     assert json.loads(p.read_text()) == {"a": 1}
     with pytest.raises(TypeError):
         write_json_atomic(p, {"a": object()})  # unserializable: nothing written
-    monkeypatch.setattr(C.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(A.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
         write_json_atomic(p, {"a": 2})
     assert json.loads(p.read_text()) == {"a": 1}
@@ -278,7 +278,7 @@ def test_safetensors_header_checks_agree_with_the_library(tmp_path):
 
 def test_a_truncated_eval_file_does_not_break_export(tmp_path, caplog):
     """final/retrofit_eval.json cut short (a non-atomic write interrupted): export warns and leaves it out."""
-    from retrofit.export import export
+    from retrofit.hub.export import export
 
     torch.manual_seed(0)
     m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=2))
@@ -287,7 +287,7 @@ def test_a_truncated_eval_file_does_not_break_export(tmp_path, caplog):
     char_tokenizer().save_pretrained(ckpt)
     full = json.dumps({"models": {"looped": {"tasks": {"mano": {"levels": {"1": {"accuracy": 0.5, "n": 4}}}}}}})
     (ckpt / "retrofit_eval.json").write_text(full[: len(full) // 2])
-    with caplog.at_level(logging.WARNING, logger="retrofit.export"):
+    with caplog.at_level(logging.WARNING, logger="retrofit.hub.export"):
         out = export(ckpt, tmp_path / "exp")
     assert (out / "model.safetensors").is_file() and not (out / "retrofit_eval.json").exists()
     assert "retrofit_eval.json" in caplog.text and "not valid JSON" in caplog.text

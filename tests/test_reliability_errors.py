@@ -2,7 +2,7 @@
 
 The issue's table, row by row: ``retrofit generate`` / ``convert`` / ``export`` / ``eval`` with
 broken models and prompts, every malformed ``--data_file`` and every bad ``LoopConfig`` in the
-recipes. In-process through ``retrofit.cli.main`` / ``retrofit.errors.run_cli`` (the same code the
+recipes. In-process through ``retrofit.cli.main`` / ``retrofit.model.errors.run_cli`` (the same code the
 console script and the recipes' ``__main__`` run); a few subprocess checks (``-m integration``) show
 the real process: exit code, no traceback, the traceback with ``RETROFIT_DEBUG=1``, and a recipe
 under ``accelerate launch``.
@@ -23,7 +23,7 @@ import torch
 
 import retrofit
 from retrofit.cli import main
-from retrofit.errors import RetrofitUserError, format_error, run_cli
+from retrofit.model.errors import RetrofitUserError, format_error, run_cli
 from retrofit.testing import char_tokenizer, tiny_base
 
 REPO = Path(__file__).resolve().parents[1]
@@ -353,7 +353,7 @@ def test_a_recipe_exits_2_without_a_traceback_directly_and_under_accelerate(tmp_
     line = one_error_line(direct.stderr)
     assert line == direct.stderr.rstrip("\n").splitlines()[-1] and "bad.jsonl:2: invalid JSON" in line
     # accelerate's single-process launcher reports a failed child itself: a CalledProcessError
-    # traceback, or with -q/--quiet nothing more and exit 1 (retrofit.errors explains)
+    # traceback, or with -q/--quiet nothing more and exit 1 (retrofit.model.errors explains)
     launched = subprocess.run(
         [
             sys.executable,

@@ -17,10 +17,10 @@ import torch
 
 import retrofit
 from retrofit import LoopConfig, LoopConfigError
-from retrofit.cache import DepthKVCache
 from retrofit.cli import main
-from retrofit.config import MAX_DEPTH, DepthError, validate_depth
-from retrofit.memory import (
+from retrofit.model.cache import DepthKVCache
+from retrofit.model.config import MAX_DEPTH, DepthError, validate_depth
+from retrofit.model.memory import (
     MemoryEstimateError,
     check_generation_memory,
     generation_bytes,
@@ -107,7 +107,7 @@ def test_generation_that_cannot_fit_is_refused_before_allocating(monkeypatch, ca
     with pytest.raises(MemoryEstimateError, match=r"needs about .* more than the 1\.0 KiB free"):
         check_generation_memory(m, 1, 10, 10, free=1024)
     assert est["total"] > 1024
-    import retrofit.memory as mem
+    import retrofit.model.memory as mem
 
     monkeypatch.setattr(mem, "free_memory", lambda device: 4096)
     assert main(["generate", "--model", "tiny-llama", "--prompt", "abc", "--max-new-tokens", "50"]) == 2
@@ -119,7 +119,7 @@ def test_generation_that_cannot_fit_is_refused_before_allocating(monkeypatch, ca
 # retrofit bench never runs code from the working directory
 # ------------------------------------------------------------------------------------------------
 def test_bench_never_runs_the_working_directorys_benchmarks(tmp_path, monkeypatch, capsys):
-    import retrofit.cli_bench as cb
+    import retrofit.cli.bench as cb
 
     sentinel = tmp_path / "executed"
     (tmp_path / "benchmarks").mkdir()

@@ -22,17 +22,17 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 import retrofit
-from retrofit.checkpointing import (
-    last_finite_checkpoint,
-    list_checkpoints,
-    weights_are_finite,
-)
 from retrofit.testing import char_tokenizer, tiny_base
 from retrofit.training import (
     NonFiniteLossError,
     RetrofitSFTConfig,
     RetrofitSFTTrainer,
     format_sft_dataset,
+)
+from retrofit.training.checkpointing import (
+    last_finite_checkpoint,
+    list_checkpoints,
+    weights_are_finite,
 )
 
 METHODS = ["tah2", "anira-e", "anira-o", "fixed"]

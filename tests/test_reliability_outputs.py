@@ -15,8 +15,8 @@ import torch
 
 import retrofit
 from retrofit.cli import main
-from retrofit.export import ExportError, export_model, push_to_hub
-from retrofit.output_paths import (
+from retrofit.hub.export import ExportError, export_model, push_to_hub
+from retrofit.hub.output_paths import (
     MARKER,
     OutputTargetError,
     check_output_folder,
@@ -228,7 +228,7 @@ def test_training_output_dir_may_not_contain_the_model_folder(tmp_path):
     looped().save_pretrained(src)
     char_tokenizer().save_pretrained(src)
     before = snapshot(src)
-    from retrofit.loading import load_model
+    from retrofit.hub.loading import load_model
 
     model, tok = load_model(str(src))
     ds, _ = format_sft_dataset(datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}] * 8))

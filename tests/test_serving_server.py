@@ -262,7 +262,7 @@ def test_requests_wait_in_the_queue_when_the_kv_budget_is_full(model):
 
 
 def test_sigterm_shuts_down_an_export_folder_server_cleanly(tmp_path, model):
-    from retrofit.export import export_model
+    from retrofit.hub.export import export_model
 
     folder = export_model(model, tmp_path / "export", tokenizer=TOK)
     port = free_port()

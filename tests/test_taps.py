@@ -1,4 +1,4 @@
-"""Step schedules (retrofit.schedulers.taps): the TAPS formula against a scalar reference, η ≡ 1
+"""Step schedules (retrofit.model.schedulers.taps): the TAPS formula against a scalar reference, η ≡ 1
 equals the unit step exactly, and TAPS in the model (forward and generate)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from retrofit import LoopConfig, convert
-from retrofit.schedulers import STEP_SCHEDULES, TAPS, UnitStep, build_step_schedule
+from retrofit.model.schedulers import STEP_SCHEDULES, TAPS, UnitStep, build_step_schedule
 from retrofit.testing import char_tokenizer, tiny_base
 
 

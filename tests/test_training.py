@@ -14,15 +14,6 @@ from references import direct_kl_to_prior, hand_decider_loss, next_token_ce
 from transformers import TrainerCallback
 
 import retrofit
-from retrofit.checkpointing import (
-    assert_safetensors_only,
-    atomic_dir,
-    commit,
-    is_complete_checkpoint,
-    last_checkpoint,
-    remove_stale_staging,
-    staging_path,
-)
 from retrofit.testing import char_tokenizer, tiny_base
 from retrofit.training import (
     BadDataError,
@@ -30,6 +21,15 @@ from retrofit.training import (
     RetrofitSFTConfig,
     RetrofitSFTTrainer,
     format_sft_dataset,
+)
+from retrofit.training.checkpointing import (
+    assert_safetensors_only,
+    atomic_dir,
+    commit,
+    is_complete_checkpoint,
+    last_checkpoint,
+    remove_stale_staging,
+    staging_path,
 )
 
 
@@ -510,7 +510,7 @@ def test_decider_gets_its_own_learning_rate(tmp_path):
 
 def test_run_folder_card_is_retrofits(tmp_path):
     """The README.md TRL writes next to checkpoints is retrofit's card, not "a fine-tuned version of [None]"."""
-    from retrofit.model_card import split_front_matter
+    from retrofit.hub.model_card import split_front_matter
 
     model = make_model("tah2")
     model.config.retrofit_base_model = "HuggingFaceTB/SmolLM2-135M-Instruct"

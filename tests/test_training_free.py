@@ -1,4 +1,4 @@
-"""Training-free exits (retrofit.halting.training_free): the rules on constructed trajectories, a
+"""Training-free exits (retrofit.model.halting.training_free): the rules on constructed trajectories, a
 model at init, and a token-by-token brute force of the exit depths on a random model."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from retrofit import LoopConfig, convert
-from retrofit.halting.training_free import (
+from retrofit.model.halting.training_free import (
     EXIT_POLICIES,
     KLExit,
     StateChangeExit,

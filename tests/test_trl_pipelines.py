@@ -4,7 +4,7 @@ What TRL 1.16 does to a model: ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer`
 ``trl.trainer.utils.add_fused_lm_head(model)``, which *replaces* ``model.forward`` with one that runs
 only ``model.base_model`` and applies ``lm_head`` itself: for a looped model that would silently
 train the plain base. ``LoopedForCausalLM`` intercepts the assignment and serves
-``fused_lm_head=True`` from the real looped logits (``retrofit.modeling.fused_outputs_from_logits``),
+``fused_lm_head=True`` from the real looped logits (``retrofit.model.modeling.fused_outputs_from_logits``),
 and its configs expose ``auto_map`` (TRL reads it for a model given as a path). These tests check
 that the heads get gradients in every trainer and that the fused outputs match TRL's own kernel.
 
@@ -26,7 +26,7 @@ prefer TaH2 or fixed for RL, or train ANIRA's decider with SFT first. Because re
 decoding is inference-only, ``generate()`` in train mode decodes with a full forward per new token
 (``test_train_mode_generation_decodes_like_eval``).
 
-``pipeline`` generation runs with ``use_cache=False`` as well unless ``retrofit.generation`` (the
+``pipeline`` generation runs with ``use_cache=False`` as well unless ``retrofit.model.generation`` (the
 depth-aware cache) exists; then the cached and uncached outputs must agree.
 """
 
@@ -40,11 +40,11 @@ from references import direct_kl_to_prior, hand_decider_loss_cfg
 
 import retrofit
 from retrofit import LoopConfig, convert
-from retrofit.modeling import LOOPED_CLASSES, LoopedForCausalLM
+from retrofit.model.modeling import LOOPED_CLASSES, LoopedForCausalLM
+from retrofit.model.trl_fused import fused_outputs_from_logits
 from retrofit.testing import char_tokenizer, tiny_base
-from retrofit.trl_fused import fused_outputs_from_logits
 
-HAS_CACHE_GENERATION = importlib.util.find_spec("retrofit.generation") is not None
+HAS_CACHE_GENERATION = importlib.util.find_spec("retrofit.model.generation") is not None
 TRAIN_KW = {
     "per_device_train_batch_size": 4,
     "max_steps": 2,
@@ -61,7 +61,7 @@ TRAIN_KW = {
 
 @pytest.fixture
 def looped_trl():
-    """The library serves TRL's fused LM head and ``config.auto_map`` itself (``retrofit.modeling``)."""
+    """The library serves TRL's fused LM head and ``config.auto_map`` itself (``retrofit.model.modeling``)."""
     assert LoopedForCausalLM._serves_trl_fused_head
     assert all(hasattr(cfg_cls, "auto_map") for cfg_cls, _ in LOOPED_CLASSES.values())
     yield
@@ -284,7 +284,7 @@ def test_text_generation_pipeline():
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(not HAS_CACHE_GENERATION, reason="retrofit.generation (depth-aware cache) not available yet")
+@pytest.mark.skipif(not HAS_CACHE_GENERATION, reason="retrofit.model.generation (depth-aware cache) not available yet")
 def test_text_generation_pipeline_with_cache():
     from transformers import pipeline
 

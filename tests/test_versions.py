@@ -12,8 +12,8 @@ import pytest
 from packaging.requirements import Requirement
 
 import retrofit
-from retrofit import versions
-from retrofit.versions import (
+from retrofit.model import versions
+from retrofit.model.versions import (
     SKIP_ENV,
     SUPPORTED,
     UnsupportedVersionError,

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 import retrofit
-from retrofit import config as C
+from retrofit.model import config as C
 from retrofit.testing import tiny_base
 from retrofit.vllm_plugin import config as P
 

@@ -34,11 +34,41 @@ from typing import Any
 import numpy as np
 import torch
 
-from retrofit.modeling import LoopedForCausalLM
+from retrofit.model.modeling import LoopedForCausalLM
 
 from .models import ModelInfo, batches, device, forward, model_info, pad_id, progress_bar
 from .options import EvalOptions
 from .rows import Example
+
+#: what the decider threshold means for each method (``forward(decider_threshold=)``)
+THRESHOLD_KIND = {
+    "tah2": "τ_exit (continue iff c >= τ)",
+    "anira-o": "cumulative halting mass u",
+    "anira-e": "allocation quantile of q",
+}
+
+
+def answer_steps_mask(starts: Sequence[int], lengths: Sequence[int], T: int, dev=None) -> torch.Tensor:
+    """``[B, T]`` bool: row ``r``'s answer steps, positions ``starts[r] − 1 … starts[r] + lengths[r] − 1``
+    (the producing positions of its ``m`` answer tokens, then the stop step)."""
+    mask = torch.zeros(len(starts), T, dtype=torch.bool, device=dev)
+    for r, (s, m) in enumerate(zip(starts, lengths)):
+        mask[r, max(0, s - 1) : s + m] = True
+    return mask
+
+
+def continue_probabilities(out, info: ModelInfo) -> torch.Tensor:
+    """The decider's probability to continue after depth ``d`` ``[B, T, k]`` (column ``d − 1``, ``k <= D − 1``)
+    from a forward's outputs: TaH2 ``c^(d)`` (``halt_signals``), ANIRA-O ``1 − α^(d)`` (the halting
+    probability's complement), ANIRA-E ``P(d* > d) = 1 − Σ_{j<=d} q_j`` (``depth_probs``)."""
+    if info.method == "tah2":
+        return out.halt_signals.float()
+    if info.method == "anira-o":
+        return 1.0 - out.halt_signals.float()
+    if info.method == "anira-e":
+        return 1.0 - out.depth_probs.float().cumsum(-1)[..., : info.max_depth - 1]
+    raise ValueError(f"no continue probability for method {info.method!r}; allowed: {', '.join(THRESHOLD_KIND)}")
+
 
 #: the LoopConfig field that holds a method's own decision threshold
 THRESHOLD_FIELD = LoopedForCausalLM.THRESHOLD_FIELD
@@ -92,7 +122,6 @@ def first_decisions(model, examples: Sequence[Example], pad: int, batch_size: in
     Returns:
         ``[n]`` float64 over the answer steps, rows in order.
     """
-    from .frontier import answer_steps_mask, continue_probabilities
     from .teacher_forced import tf_batch
 
     info = model_info(model)
@@ -174,7 +203,7 @@ def calibrate_stop_share(
 def write_threshold(folder: str | Path, field: str, value: float) -> bool:
     """Set ``loop[field]`` in a saved checkpoint's ``config.json`` (atomically). False if the folder has no
     looped config (a LoRA adapter folder, say)."""
-    from retrofit.checkpointing import write_json_atomic
+    from ..hub.atomic_io import write_json_atomic
 
     path = Path(folder) / "config.json"
     if not path.is_file():

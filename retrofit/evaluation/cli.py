@@ -216,7 +216,7 @@ def _spec_name(spec: str) -> str:
 
 
 def _load(spec: str, device: str, dtype):
-    from retrofit.loading import load_model
+    from retrofit.hub.loading import load_model
 
     model, tok = load_model(spec, dtype=getattr(torch, dtype) if dtype else None)
     return model.to(device).eval(), tok

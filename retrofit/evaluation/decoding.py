@@ -3,7 +3,7 @@
 Two backends give the same tokens and depths (tests/test_eval_runner.py checks it):
 
 * ``"generate"``: the model's own ``generate`` (KV cache; for looped models the depth-aware cache
-  of ``retrofit.generation``, whose ``depths`` output gives the producing step's depth).
+  of ``retrofit.model.generation``, whose ``depths`` output gives the producing step's depth).
 * ``"loop"``: a reference loop that runs the full sequence every step (no cache), so the exit
   decisions are by construction those of the model's full forward. Rows that finished are
   dropped from later steps.

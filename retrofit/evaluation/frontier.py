@@ -30,8 +30,8 @@ the draws.
 **Gain per decile** (TaH2's check of the decider): one adaptive forward with the gold answers as labels and
 ``output_depth_losses=True`` gives, at every answer token's producing position, the loss at each executed
 depth and at the lookahead depth ``d* + 1``; every decision the decider made there gets its realized gain
-``ℓ^(d) − ℓ^(d+1)`` and its continue probability (:func:`~.metrics.decider_decisions`,
-:func:`~.metrics.gain_by_decile`). The stop step is left out: it has no single gold token to score.
+``ℓ^(d) − ℓ^(d+1)`` and its continue probability (:func:`~.decider_metrics.decider_decisions`,
+:func:`~.decider_metrics.gain_by_decile`). The stop step is left out: it has no single gold token to score.
 
 **Cost.** With ``R`` frontier rows (``frontier_rows_per_level`` per level), ``t`` thresholds (the model's
 own, reused from the adaptive pass, plus the sweep) and ``k`` draws, a decider model runs about
@@ -47,14 +47,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
-from .metrics import decider_decisions, gain_by_decile
-from .models import ModelInfo, batches, device, flops_per_token, forward, progress_bar
+from .calibrate import (  # noqa: F401  (answer_steps_mask, continue_probabilities: imported from here too)
+    THRESHOLD_KIND,
+    answer_steps_mask,
+    continue_probabilities,
+    first_decisions,
+    threshold_for_stop_share,
+)
+from .decider_metrics import gain_by_decile
+from .decisions import batch_seed, decision_gains, random_allocation, random_rate
+from .models import ModelInfo, device, flops_per_token
 from .options import EvalOptions
 from .rows import Example
 from .stats import paired_comparison, paired_vs_draws, wilson_interval
-from .teacher_forced import _length_order, argmax_pass, forced_depths_argmax, tf_batch
+from .teacher_forced import argmax_pass, forced_depths_argmax
 
 __all__ = [
     "FLOPS_RATIO_MAX",
@@ -75,12 +82,6 @@ __all__ = [
 NOT_WORSE_MARGIN = 0.03
 #: ... at no more than this share of the fixed control's FLOPs per answer token
 FLOPS_RATIO_MAX = 0.85
-#: what the decider threshold means for each method (``forward(decider_threshold=)``)
-THRESHOLD_KIND = {
-    "tah2": "τ_exit (continue iff c >= τ)",
-    "anira-o": "cumulative halting mass u",
-    "anira-e": "allocation quantile of q",
-}
 
 
 @dataclass
@@ -115,44 +116,6 @@ def frontier_rows(examples: Sequence[Example], per_level: int | None) -> np.ndar
     return np.asarray(keep, dtype=np.int64)
 
 
-def answer_steps_mask(starts: Sequence[int], lengths: Sequence[int], T: int, dev=None) -> torch.Tensor:
-    """``[B, T]`` bool: row ``r``'s answer steps, positions ``starts[r] − 1 … starts[r] + lengths[r] − 1``
-    (the producing positions of its ``m`` answer tokens, then the stop step)."""
-    mask = torch.zeros(len(starts), T, dtype=torch.bool, device=dev)
-    for r, (s, m) in enumerate(zip(starts, lengths)):
-        mask[r, max(0, s - 1) : s + m] = True
-    return mask
-
-
-def batch_seed(draw: int, batch: int) -> int:
-    """Seed of random-allocation draw ``draw`` on batch ``batch`` (distinct for every batch under 1,000,003)."""
-    return 1_000_003 * int(draw) + int(batch)
-
-
-def random_allocation(rate: float, draw: int, dev=None):
-    """The ``policy_for_batch`` hook of :func:`~.teacher_forced.argmax_pass` for random allocation: batch ``b``
-    gets ``RandomContinue(rate, seed=batch_seed(draw, b), where=<its answer steps>)``, so every answer step
-    continues after each depth with probability ``rate`` and every other position keeps the decider's
-    decision."""
-    from retrofit.halting.training_free import RandomContinue
-
-    def policy_for_batch(b: int, starts, lengths, T: int):
-        return RandomContinue(rate, seed=batch_seed(draw, b), where=answer_steps_mask(starts, lengths, T, dev))
-
-    return policy_for_batch
-
-
-def random_rate(mean_depth: float, max_depth: int) -> float:
-    """The continue rate whose geometric depths have mean ``mean_depth`` (0 at d̄ = 1, 1 at d̄ = D)."""
-    from retrofit.halting.training_free import continue_rate_for_mean_depth
-
-    if mean_depth <= 1.0:
-        return 0.0
-    if mean_depth >= max_depth:
-        return 1.0
-    return continue_rate_for_mean_depth(float(mean_depth), max_depth)
-
-
 def own_threshold(model, info: ModelInfo) -> float | None:
     """The decider threshold the model runs with when a call passes none: TaH2's ``exit_threshold``, ANIRA-O's
     ``halt_threshold``; None for ANIRA-E (its own rule is the argmax of q, not a quantile)."""
@@ -161,19 +124,6 @@ def own_threshold(model, info: ModelInfo) -> float | None:
     if info.method == "anira-o":
         return float(model.loop.halt_threshold)
     return None
-
-
-def continue_probabilities(out, info: ModelInfo) -> torch.Tensor:
-    """The decider's probability to continue after depth ``d`` ``[B, T, k]`` (column ``d − 1``, ``k <= D − 1``)
-    from a forward's outputs: TaH2 ``c^(d)`` (``halt_signals``), ANIRA-O ``1 − α^(d)`` (the halting
-    probability's complement), ANIRA-E ``P(d* > d) = 1 − Σ_{j<=d} q_j`` (``depth_probs``)."""
-    if info.method == "tah2":
-        return out.halt_signals.float()
-    if info.method == "anira-o":
-        return 1.0 - out.halt_signals.float()
-    if info.method == "anira-e":
-        return 1.0 - out.depth_probs.float().cumsum(-1)[..., : info.max_depth - 1]
-    raise ValueError(f"no continue probability for method {info.method!r}; allowed: {', '.join(THRESHOLD_KIND)}")
 
 
 def _tkey(tau: float) -> str:
@@ -286,15 +236,13 @@ def model_frontier(
         return entry, arr
 
     # --- the decider's threshold sweep ------------------------------------------------------------------
-    from retrofit.flops import break_even_mean_depth
+    from retrofit.model.flops import break_even_mean_depth
 
     own_tau = own_threshold(model, info)
     runs: dict[str, tuple[float | None, np.ndarray, list[np.ndarray]]] = {}
     runs["own"] = (own_tau, *outcome([own[i] for i in rows]))
     thresholds, shares = list(opts.frontier_thresholds), {}
     if opts.frontier_stop_shares is not None:  # placed by compute on these rows (evaluation/calibrate.py)
-        from .calibrate import first_decisions, threshold_for_stop_share
-
         c1 = first_decisions(model, exs, pad, batch_size=opts.batch_size)
         passes += 1
         thresholds = []
@@ -398,51 +346,6 @@ def model_frontier(
         wall_s=round(time.time() - t0, 2),
     )
     return entry, arr
-
-
-@torch.no_grad()
-def decision_gains(model, info: ModelInfo, examples: list[Example], pad: int, opts: EvalOptions, desc: str) -> dict:
-    """Every decision of the model's own decider at the answer tokens' producing positions, with its realized
-    gain (:func:`~.metrics.decider_decisions`), from one adaptive forward per batch with the gold answers as
-    labels, ``output_depth_losses=True`` (the lookahead iteration gives ``ℓ^(d*+1)``) and
-    ``labelled_logits_only`` (the LM head at the labelled positions only; the decider still reads every
-    position's distribution, so the depths are the adaptive pass's).
-
-    Returns:
-        ``decider_decisions``' arrays, concatenated over rows.
-    """
-    dev = device(model)
-    parts: list[dict[str, np.ndarray]] = []
-    for chunk in progress_bar(
-        list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
-    ):
-        exs = [examples[i] for i in chunk]
-        ids, mask, starts = tf_batch(exs, pad, dev)
-        labels = torch.full_like(ids, -100)
-        for r, (e, s) in enumerate(zip(exs, starts)):
-            labels[r, s : s + len(e.answer_ids)] = torch.as_tensor(e.answer_ids, device=dev)
-        out = forward(
-            model,
-            info,
-            ids,
-            mask,
-            labels=labels,
-            output_depth_losses=True,
-            labelled_logits_only=True,
-            output_router_logits=False,
-        )
-        cont = continue_probabilities(out, info)  # [B, T, k]
-        for r, (e, s) in enumerate(zip(exs, starts)):
-            pred = torch.arange(len(e.answer_ids), device=dev) + s - 1  # producing positions
-            parts.append(
-                decider_decisions(
-                    out.depths[r, pred].cpu().numpy(),
-                    out.depth_nll[r, pred].float().cpu().numpy(),
-                    cont[r, pred].cpu().numpy(),
-                )
-            )
-    keys = ("gain", "continue_prob", "depth", "continued")
-    return {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0) for k in keys}
 
 
 def fixed_control_comparison(

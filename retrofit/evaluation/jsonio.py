@@ -1,5 +1,5 @@
 """Strict JSON for evaluation results (NumPy and torch values understood, NaN -> null), written atomically by
-``retrofit.checkpointing.write_text_atomic`` (the project's one atomic writer)."""
+``retrofit.hub.atomic_io.write_text_atomic`` (the project's one atomic writer)."""
 
 from __future__ import annotations
 
@@ -83,9 +83,9 @@ def to_jsonable(obj: Any, _loc: str = "$") -> Any:
 
 
 def atomic_write_text(text: str, path: str | os.PathLike) -> str:
-    """Write ``text`` atomically (``retrofit.checkpointing.write_text_atomic``: temp file, fsync, ``os.replace``,
+    """Write ``text`` atomically (``retrofit.hub.atomic_io.write_text_atomic``: temp file, fsync, ``os.replace``,
     fsync of the folder); returns ``path`` as a string."""
-    from ..checkpointing import write_text_atomic
+    from ..hub.atomic_io import write_text_atomic
 
     return str(write_text_atomic(path, text))
 
@@ -94,7 +94,7 @@ def write_json(obj: Any, path: str | os.PathLike, indent: int = 2) -> str:
     """Serialize ``obj`` to strict JSON at ``path`` atomically.
 
     The whole document is serialized in memory first (see :func:`to_jsonable`), then written
-    through the project's one atomic writer (``retrofit.checkpointing.write_text_atomic``); a
+    through the project's one atomic writer (``retrofit.hub.atomic_io.write_text_atomic``); a
     failure at any point leaves a previous file at ``path`` untouched and no partial file.
 
     Args:

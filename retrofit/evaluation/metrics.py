@@ -21,8 +21,8 @@ Functions:
     flops_ratio             Executed layer passes per token vs the fixed-depth and base models.
     accuracy_by_level       Accuracy (± binomial s.e.) and mean depth per difficulty level.
     expected_depth          E[d] under a per-token depth distribution.
-    decider_decisions       The decider's decisions at given positions: realized gain and continue probability.
-    gain_by_decile          Mean realized gain per decile of the continue probability (TaH2's check of the decider).
+
+The decider's metrics (``decider_decisions``, ``gain_by_decile``) are in :mod:`retrofit.evaluation.decider_metrics`.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 
+from ..model.depth_cost import _to_numpy, _valid_mask, cost_exec, flops_ratio
+
 __all__ = [
     "LOSS_CHANGE_BIN_EDGES",
     "accuracy_by_level",
     "cost_exec",
-    "decider_decisions",
     "expected_depth",
-    "gain_by_decile",
     "flops_ratio",
     "linear_regression",
     "loss_change_stats",
@@ -59,29 +59,6 @@ LOSS_CHANGE_BIN_EDGES: np.ndarray = np.round(np.linspace(-4.05, 4.05, 82), 10)
 # ----------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def _to_numpy(x: Any, dtype: Any = None) -> np.ndarray:
-    """Convert a torch tensor, NumPy array, scalar or (nested) sequence to a NumPy array."""
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor without importing torch
-        x = x.detach().cpu()
-        if str(getattr(x, "dtype", "")) == "torch.bfloat16":
-            x = x.float()
-        x = x.numpy()
-    arr = np.asarray(x)
-    if dtype is not None:
-        arr = arr.astype(dtype, copy=False)
-    return arr
-
-
-def _valid_mask(shape: tuple[int, ...], mask: Any) -> np.ndarray:
-    """Boolean validity mask of ``shape``; ``None`` means all valid."""
-    if mask is None:
-        return np.ones(shape, dtype=bool)
-    m = _to_numpy(mask).astype(bool)
-    if m.shape != shape:
-        raise ValueError(f"mask has shape {m.shape}, expected the data shape {shape}")
-    return m
 
 
 def _rank_average(a: np.ndarray) -> np.ndarray:
@@ -362,117 +339,6 @@ def loss_change_stats(
     }
 
 
-def cost_exec(depths: Any, mask: Any = None, max_depth: int | None = None) -> dict[str, Any]:
-    """Executed core work of an adaptive-depth run (ANIRA §3.2.5 / §5, docs/evaluation.md).
-
-    With ``A_d`` the set of valid tokens still active at depth d (exit depth >= d),
-    ``Cost_exec = Σ_{d=1..D} |A_d|``, which equals the sum of exit depths. A fixed-depth model
-    costs ``n · D``; the ratio ``saving = d̄ / D`` is the fraction of that compute actually
-    executed (lower is cheaper).
-
-    Args:
-        depths: integer exit depths, 1-based, any shape ``[...]`` (e.g. ``[B x T]``).
-            Entries outside the mask may hold anything (0, -1, …).
-        mask: optional boolean ``[...]``; ``True`` = valid token.
-        max_depth: ``D``. Default: the largest valid depth (pass it explicitly whenever the
-            model's D is known, otherwise ``saving`` is relative to the observed maximum).
-
-    Returns:
-        ``{"n_tokens", "max_depth", "active_per_depth" (list of |A_d|, d = 1..D),
-        "cost_exec" (int), "cost_fixed" (n · D), "mean_depth" (d̄), "saving" (d̄ / D),
-        "depth_histogram" (list of token counts per depth 1..D)}``. ``mean_depth`` and
-        ``saving`` are nan when there is no valid token.
-
-    Raises:
-        ValueError: if a valid depth is not an integer in 1..D.
-    """
-    d_all = _to_numpy(depths)
-    valid = _valid_mask(d_all.shape, mask)
-    d = d_all[valid].astype(np.float64)
-    if d.size and not np.all(np.isfinite(d) & (d == np.round(d))):
-        raise ValueError("depths must be integers (1-based) on valid tokens")
-    d = d.astype(np.int64)
-    if max_depth is None:
-        if d.size == 0:
-            raise ValueError("max_depth is required when there is no valid token")
-        max_depth = int(d.max())
-    D = int(max_depth)
-    if D < 1:
-        raise ValueError(f"max_depth must be >= 1, got {max_depth}")
-    if d.size and (d.min() < 1 or d.max() > D):
-        raise ValueError(f"valid depths must lie in 1..{D} (1-based), got min {d.min()} max {d.max()}")
-    hist = np.bincount(d, minlength=D + 1)[1 : D + 1]
-    # |A_d| = number of tokens with depth >= d: reverse cumulative sum of the histogram.
-    active = np.cumsum(hist[::-1])[::-1]
-    n = int(d.size)
-    total = int(active.sum())
-    mean = total / n if n else float("nan")
-    return {
-        "n_tokens": n,
-        "max_depth": D,
-        "active_per_depth": [int(a) for a in active],
-        "cost_exec": total,
-        "cost_fixed": n * D,
-        "mean_depth": float(mean),
-        "saving": float(mean / D) if n else float("nan"),
-        "depth_histogram": [int(h) for h in hist],
-    }
-
-
-def flops_ratio(
-    mean_depth: float,
-    max_depth: int,
-    n_layers: int,
-    prelude: int,
-    core: int,
-    coda: int,
-) -> dict[str, float]:
-    """Decoder-layer passes per token of the adaptive model vs the fixed-depth and base models.
-
-    Per token: base (non-looped) model = ``n_layers`` layer passes; looped model at fixed depth
-    D = ``prelude + core·D + coda``; adaptive = ``prelude + core·d̄ + coda``. The small heads
-    (updater, decider) and the per-depth LM-head projections some methods evaluate are
-    ignored (they are < 3% of the parameters; count them separately if a method applies the
-    LM head at every depth). Attention cost that grows with context length is also ignored:
-    this is a per-token layer count, the quantity the "d̄ / D" saving refers to.
-
-    ``prelude + core + coda`` normally equals ``n_layers`` (docs/looped-model.md); this is not
-    enforced because a retrofit may drop layers.
-
-    Args:
-        mean_depth: d̄, mean executed core depth (1 <= d̄ <= D).
-        max_depth: D.
-        n_layers: decoder layers of the base model.
-        prelude, core, coda: layer counts of the three ranges.
-
-    Returns:
-        ``{"layers_base", "layers_fixed", "layers_adaptive", "adaptive_vs_fixed",
-        "adaptive_vs_base", "fixed_vs_base"}`` (the first three are layer passes per token,
-        the rest ratios).
-    """
-    D = int(max_depth)
-    if D < 1:
-        raise ValueError(f"max_depth must be >= 1, got {max_depth}")
-    if not (math.isfinite(mean_depth) and 1.0 - 1e-9 <= mean_depth <= D + 1e-9):
-        raise ValueError(f"mean_depth must lie in [1, {D}], got {mean_depth}")
-    if min(n_layers, prelude, core, coda) < 0 or n_layers == 0 or core == 0:
-        raise ValueError(
-            f"need n_layers > 0, core > 0, prelude/coda >= 0; got n_layers={n_layers}, "
-            f"prelude={prelude}, core={core}, coda={coda}"
-        )
-    base = float(n_layers)
-    fixed = float(prelude + core * D + coda)
-    adaptive = float(prelude + core * mean_depth + coda)
-    return {
-        "layers_base": base,
-        "layers_fixed": fixed,
-        "layers_adaptive": adaptive,
-        "adaptive_vs_fixed": adaptive / fixed,
-        "adaptive_vs_base": adaptive / base,
-        "fixed_vs_base": fixed / base,
-    }
-
-
 # ----------------------------------------------------------------------------------------------
 # aggregation
 # ----------------------------------------------------------------------------------------------
@@ -542,95 +408,3 @@ def expected_depth(depth_probs: Any) -> Any:
     if q.ndim == 0:
         raise ValueError("depth_probs must have a last axis of size D")
     return q @ np.arange(1, q.shape[-1] + 1, dtype=np.float64)
-
-
-def decider_decisions(exit_depth: Any, depth_nll: Any, continue_prob: Any) -> dict[str, np.ndarray]:
-    """Every decision the decider made at the given positions, with its realized gain (docs/evaluation.md).
-
-    A token that exits at depth ``d*`` was asked "continue?" after depths ``d = 1 … min(d*, D − 1)``:
-    it said yes for ``d < d*`` and no at ``d = d*``. The realized gain of decision ``d`` is
-    ``δ = ℓ^(d) − ℓ^(d+1)``, the drop of the token's next-token loss from one more iteration (> 0: the
-    next depth helps). ``ℓ^(d+1)`` is executed for ``d < d*`` and is the forward's gradient-free
-    lookahead iteration for ``d = d*`` (TaH2 §3, ``output_depth_losses``), so every decision has its
-    gain. Decisions whose two losses are not both finite (no label there, or no lookahead) are dropped.
-
-    Args:
-        exit_depth: ``[n]`` exit depths ``d*`` (1-based) of the positions.
-        depth_nll: ``[n, D]`` per-depth next-token losses of the positions (NaN where not computed).
-        continue_prob: ``[n, D − 1]`` the decider's probability to continue after depth ``d`` (column
-            ``d − 1``): TaH2 ``c^(d)``, ANIRA-O ``1 − α^(d)``, ANIRA-E ``P(d* > d)``.
-
-    Returns:
-        ``{"gain", "continue_prob", "depth", "continued"}``: ``[k]`` arrays over the k decisions, in
-        position order and, within a position, depth order.
-    """
-    d_star = _to_numpy(exit_depth, np.int64).reshape(-1)
-    nll = _to_numpy(depth_nll, np.float64)
-    prob = _to_numpy(continue_prob, np.float64)
-    n = d_star.size
-    nll = nll.reshape(n, -1)
-    D = nll.shape[1]
-    prob = prob.reshape(n, -1)
-    if prob.shape[1] < D - 1:  # a loop that stopped early decided fewer depths: pad, those are never read
-        prob = np.concatenate([prob, np.full((n, D - 1 - prob.shape[1]), np.nan)], axis=1)
-    d = np.arange(1, D)  # decisions after depths 1 … D − 1
-    made = d[None, :] <= d_star[:, None]  # [n, D − 1]
-    gain = nll[:, :-1] - nll[:, 1:]
-    keep = made & np.isfinite(gain) & np.isfinite(prob[:, : D - 1])
-    return {
-        "gain": gain[keep],
-        "continue_prob": prob[:, : D - 1][keep],
-        "depth": np.broadcast_to(d[None, :], keep.shape)[keep],
-        "continued": (d[None, :] < d_star[:, None])[keep],
-    }
-
-
-def gain_by_decile(gain: Any, continue_prob: Any, n_bins: int = 10) -> dict[str, Any]:
-    """Mean realized gain per equal-count bin of the decider's continue probability (TaH2's check).
-
-    TaH2 reports that the gain from one more iteration rises with the decider's continue probability:
-    a decider that knows where depth helps puts its high probabilities where the gain is. Decisions are
-    sorted by probability (stable, so ties keep their order) and cut into ``n_bins`` groups of equal
-    count (``numpy.array_split``: sizes differ by at most one; fewer bins when there are fewer
-    decisions). ``spearman`` is the rank correlation of the bin index (1 = lowest probabilities) with
-    the bin's mean gain: 1 when the mean gain rises from each bin to the next.
-
-    Args:
-        gain: ``[k]`` realized gains ``ℓ^(d) − ℓ^(d+1)`` (:func:`decider_decisions`).
-        continue_prob: ``[k]`` the decider's continue probability of the same decisions.
-        n_bins: bins (10: deciles).
-
-    Returns:
-        ``{"n_decisions", "n_bins", "bins": [{"bin", "n", "prob_mean", "prob_min", "prob_max", "gain_mean",
-        "share_gain_positive"}], "spearman"}`` (``spearman`` nan with fewer than 2 bins or a constant mean
-        gain); non-finite pairs are dropped.
-    """
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive int, got {n_bins!r}")
-    g = _to_numpy(gain, np.float64).reshape(-1)
-    p = _to_numpy(continue_prob, np.float64).reshape(-1)
-    if g.shape != p.shape:
-        raise ValueError(f"gain has {g.size} values but continue_prob has {p.size}")
-    ok = np.isfinite(g) & np.isfinite(p)
-    g, p = g[ok], p[ok]
-    k = min(n_bins, int(g.size))
-    bins = []
-    if k:
-        order = np.argsort(p, kind="stable")
-        for i, idx in enumerate(np.array_split(order, k)):
-            bins.append(
-                {
-                    "bin": i + 1,
-                    "n": int(idx.size),
-                    "prob_mean": float(p[idx].mean()),
-                    "prob_min": float(p[idx].min()),
-                    "prob_max": float(p[idx].max()),
-                    "gain_mean": float(g[idx].mean()),
-                    "share_gain_positive": float((g[idx] > 0).mean()),
-                }
-            )
-    means = [b["gain_mean"] for b in bins]
-    rho = float("nan")
-    if len(bins) >= 2 and np.ptp(means) > 0:
-        rho = spearman(np.arange(1, len(bins) + 1), means)
-    return {"n_decisions": int(g.size), "n_bins": len(bins), "bins": bins, "spearman": rho}

@@ -59,7 +59,7 @@ class ModelInfo:
 
 def model_info(model) -> ModelInfo:
     """The :class:`ModelInfo` of a looped or plain causal LM."""
-    from retrofit.modeling import LoopedForCausalLM
+    from retrofit.model.modeling import LoopedForCausalLM
 
     cfg = model.config
     n_layers = int(
@@ -123,7 +123,7 @@ def progress_bar(iterable, enabled: bool, **kw):
 def flops_per_token(model, info: ModelInfo, depths, decider: bool = True) -> float:
     """Matmul FLOPs per token at the given exit depths (mean over them).
 
-    Looped models: ``retrofit.flops.cost_report`` (decoder layers, updater, decider, LM head as
+    Looped models: ``retrofit.model.flops.cost_report`` (decoder layers, updater, decider, LM head as
     the method runs them). Plain models: every decoder layer and the LM head once per token. Both
     count 2 FLOPs per multiply-add of every linear map and leave out attention scores, which grow
     with context length (a few percent of a layer at these lengths).
@@ -134,7 +134,7 @@ def flops_per_token(model, info: ModelInfo, depths, decider: bool = True) -> flo
             for a forced depth (``depth=d``), which runs no decider and reads out the exit state only.
     """
     if info.looped:
-        from retrofit.flops import cost_report
+        from retrofit.model.flops import cost_report
 
         d = torch.as_tensor(depths).reshape(-1).long()
         if d.numel() == 0:

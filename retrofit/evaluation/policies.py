@@ -5,7 +5,7 @@ model's own adaptive forward) against ``kl``, ``state`` and ``confidence``, each
 threshold whose mean depth is closest to the decider's d̄ (for a ``fixed`` model without a
 decider: (1 + D) / 2). Thresholds are calibrated in the *full-context* frame (one depth-D forward;
 :mod:`retrofit.evaluation.analysis`); where the engine implements a policy
-(``retrofit.halting.training_free``: ``kl``, ``state``) its accuracy and d̄ are then re-measured
+(``retrofit.model.halting.training_free``: ``kl``, ``state``) its accuracy and d̄ are then re-measured
 exactly with ``forward(exit_policy=..., exit_threshold=τ)`` and, with ``policy_generation``, it is
 also generated with (``generation_accuracy``). ``frame`` says which. ``accuracy`` is
 teacher-forced next-token accuracy on answer tokens.
@@ -30,7 +30,7 @@ __all__ = ["cat", "engine_exit_policies", "exit_policies", "mean", "seq_acc"]
 
 def engine_exit_policies() -> tuple[str, ...]:
     """Training-free exits the looped forward implements (``exit_policy=``)."""
-    from retrofit.halting.training_free import EXIT_POLICIES
+    from retrofit.model.halting.training_free import EXIT_POLICIES
 
     return tuple(EXIT_POLICIES)
 

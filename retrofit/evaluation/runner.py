@@ -40,13 +40,11 @@ from .task_eval import TaskArrays, evaluate_task, evaluate_task_arrays, paired_b
 from .token_difficulty import depth_vs_token_difficulty
 
 __all__ = [
-    "add_arguments",
     "as_list",
     "compare_list",
     "evaluate",
     "evaluate_task",
     "greedy_generate",
-    "run",
     "task_rows",
     "write_artifacts",
 ]
@@ -307,17 +305,3 @@ def _token_difficulty(entry: dict, looped: TaskArrays, ref: TaskArrays, ref_name
     depths = np.concatenate([d[c] for d, c in zip(looped.pred_depth, looped.content)])
     losses = np.concatenate([x[c] for x, c in zip(ref.nll, ref.content)])
     entry["token_difficulty"] = {"reference": ref_name, **depth_vs_token_difficulty(depths, losses, looped.max_depth)}
-
-
-def add_arguments(parser) -> None:
-    """Flags of ``retrofit eval`` (:mod:`.cli`)."""
-    from .cli import add_arguments as _add
-
-    _add(parser)
-
-
-def run(args) -> int:
-    """Entry point of ``retrofit eval`` (:mod:`.cli`)."""
-    from .cli import run as _run
-
-    return _run(args)

@@ -2,7 +2,7 @@
 
 Model arguments (``--model_args key=value,...``):
 
-* ``pretrained``: what ``retrofit.loading.load_model`` takes — a checkpoint folder (looped or plain),
+* ``pretrained``: what ``retrofit.hub.loading.load_model`` takes — a checkpoint folder (looped or plain),
   a ``.gguf`` file, ``smollm2``, ``tiny-llama`` — or, from Python, a model object (then pass
   ``tokenizer``).
 * ``exit_policy``: who decides each token's exit depth — ``decider`` (the model's halting method, the
@@ -37,7 +37,7 @@ Depth and compute (:class:`DepthMeter`), per task, over the tokens the model act
 * ``all_tokens``: every position run once: context and answer (left padding, and positions after a
   row stopped, excluded).
 
-For each: ``n_tokens``, ``mean_depth`` d̄, ``flops_per_token`` (matmul FLOPs, ``retrofit.flops``:
+For each: ``n_tokens``, ``mean_depth`` d̄, ``flops_per_token`` (matmul FLOPs, ``retrofit.model.flops``:
 decoder layers, updater, decider and LM head as the run uses them; attention scores left out),
 ``layers_per_token`` and, for looped models, ``flops_vs_fixed`` (every token at depth D) and
 ``flops_vs_base`` (the pretrained stack). They land in lm-eval's results JSON under
@@ -130,7 +130,7 @@ def _stats(model, info, depths: np.ndarray, readout: bool | None) -> dict[str, A
             "flops_per_token": plain_flops_per_token(model),
             "layers_per_token": float(info.n_layers),
         }
-    from retrofit.flops import cost_report
+    from retrofit.model.flops import cost_report
 
     rep = cost_report(model, torch.as_tensor(depths), readout=readout)
     return {
@@ -182,7 +182,7 @@ class RetrofitLM(TemplateLM):
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or auto, got {dtype!r}")
         torch_dtype = _DTYPES.get(dtype) if dtype not in (None, "auto") else None
         if isinstance(pretrained, str):
-            from retrofit.loading import load_model
+            from retrofit.hub.loading import load_model
 
             self.pretrained = pretrained
             model, tok = load_model(pretrained, dtype=torch_dtype)
@@ -205,7 +205,7 @@ class RetrofitLM(TemplateLM):
         if step_schedule is not None:
             if not self.info.looped:
                 raise ValueError(f"step_schedule= needs a looped checkpoint; {self.pretrained} is a plain model")
-            from retrofit.schedulers import build_step_schedule
+            from retrofit.model.schedulers import build_step_schedule
 
             build_step_schedule(step_schedule)  # raises with the allowed names
         self.step_schedule = step_schedule
@@ -529,7 +529,7 @@ class RetrofitLM(TemplateLM):
             extra: dict[str, Any] = {}
             cache = None
             if self.info.looped:
-                from retrofit.cache import DepthKVCache
+                from retrofit.model.cache import DepthKVCache
 
                 cache = DepthKVCache(self.model.config)
                 extra = {"cache": cache, **kw}

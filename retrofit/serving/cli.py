@@ -4,7 +4,7 @@
     retrofit serve outputs/tah2_llama/final --port 8000      # a trained looped checkpoint
     retrofit serve hub_folder/ --exit kl --threshold 5e-4    # an export folder, training-free exits
 
-``MODEL`` is anything ``retrofit.loading.load_model`` accepts. A base (non-looped) model is served as a
+``MODEL`` is anything ``retrofit.hub.loading.load_model`` accepts. A base (non-looped) model is served as a
 depth-1 looped model over its whole stack, which computes exactly the base model (convert it first with
 ``retrofit convert`` to loop it). See docs/serving.md for client examples.
 """
@@ -46,10 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_for_serving(spec: str):
     """``(looped model, tokenizer)`` for ``spec``; a base model becomes a depth-1 looped model (= the base)."""
-    from ..config import LoopConfig
-    from ..convert import convert
-    from ..loading import load_model
-    from ..modeling import LoopedForCausalLM
+    from ..hub.loading import load_model
+    from ..model.config import LoopConfig
+    from ..model.convert import convert
+    from ..model.modeling import LoopedForCausalLM
 
     model, tok = load_model(spec)
     if not isinstance(model, LoopedForCausalLM):

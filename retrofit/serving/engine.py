@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..flops import cost_report
+from ..model.flops import cost_report
 from .kv import KVBudgetError, PagedKV
 from .layers import LayerRunner, layer_ops_for
 from .methods import MethodAdapter
@@ -84,7 +84,7 @@ class Engine:
         eos_token_id=None,
         small_gemm: bool = True,
     ):
-        from ..modeling import LoopedForCausalLM
+        from ..model.modeling import LoopedForCausalLM
 
         if not isinstance(model, LoopedForCausalLM):
             raise TypeError(f"the engine serves looped models (LoopedForCausalLM); got {type(model).__name__}")
@@ -131,7 +131,7 @@ class Engine:
             torch.zeros(self.max_rows, dtype=torch.long, device=dev),
         )
         self.executor = StepExecutor(model, self.kv, self.adapter, self.runner, buffers, self.stats, self.eos, self)
-        # FLOPs of one token exiting at depth d (retrofit.flops; a per-token sum), with and without readouts
+        # FLOPs of one token exiting at depth d (retrofit.model.flops; a per-token sum), with and without readouts
         self._flops = {}
         for ro in (False, True):
             reps = [cost_report(model, torch.tensor([d]), readout=ro) for d in range(1, self.D + 1)]

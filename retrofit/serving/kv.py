@@ -20,7 +20,7 @@ blocks (a block table):
   ``kv_bytes.by_core_block_size``);
 - ``ro[j]`` (coda layers; only for runs that read out every depth on a model with a coda — TaH2's
   decider, the ``kl`` exit): the reference forward's depth-``j`` readout runs the coda over every
-  token's passthrough state at depth ``j`` (docs/looped-model.md; ``retrofit.cache``), one entry per position.
+  token's passthrough state at depth ``j`` (docs/looped-model.md; ``retrofit.model.cache``), one entry per position.
 
 Reads (``core_keys``) follow the model's attention mode: a query at depth ``m`` and position ``t`` sees,
 for each earlier (or same) position ``s``, every executed depth ``j ≤ m`` of ``s`` (duo-causal), or the

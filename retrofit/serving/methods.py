@@ -4,13 +4,13 @@ exit rule and the output combination (TaH2's mixture).
 The engine batches rows of many sequences, each at its own depth, into one core call; every primitive of
 the depth loop is elementwise over tokens, so the engine calls the loop's own pieces (docs/):
 
-- **core input**: ``retrofit.loop.core_input`` (``e`` at depth 1, ``updater(e, h)`` after);
+- **core input**: ``retrofit.model.loop.core_input`` (``e`` at depth 1, ``updater(e, h)`` after);
 - **step schedule**: ``schedule.step(d, h_prev, raw, state, idx)`` per depth, its state from
   ``schedule.init`` under the engine's row slots (TAPS' statistics are reset when a slot takes a new token);
 - **decider**: the halting method's own ``new_context`` / ``plan`` / ``step`` (ANIRA-E's plan on the
   prelude output, TaH2's continue probability, ANIRA-O's halting probability); the method's per-token
   context (``ctx.extra``: ANIRA-O's cumulative mass and quantile) is kept under row slots (``SlotStore``);
-- **exit rule**: ``retrofit.loop.ForcedExit`` (``depth=k``), ``PolicyExit`` (``kl``/``state``, its
+- **exit rule**: ``retrofit.model.loop.ForcedExit`` (``depth=k``), ``PolicyExit`` (``kl``/``state``, its
   per-token memory keyed by row slot) or ``DeciderExit``;
 - **output**: the method's ``combiner(ctx)`` (TaH2's ``DepthMixture``), or ``ExitLogits`` for a forced
   depth, kept per sequence slot for its last token (``SlotCombiners``).
@@ -27,7 +27,7 @@ Not shared, on purpose: the engine's KV layout (``retrofit.serving.kv``: paged p
 the loop's ``backends`` (one ``[B, T]`` batch per call, a ``DepthKVCache`` per batch); and the engine
 drives its own iteration over depths (one depth per row per step), so it does not call ``run_depth_loop``.
 
-Each rule reproduces the looped model's cached decode (``retrofit.loop.run_depth_loop``) token by token:
+Each rule reproduces the looped model's cached decode (``retrofit.model.loop.run_depth_loop``) token by token:
 under a training-free exit TaH2's decider still runs, because its continue probabilities weight the
 mixture; under a forced depth no decider runs and the output is the exit depth's readout.
 """
@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..halting.base import ExitLogits
-from ..halting.training_free import ExitPolicy, resolve_exit_policy
-from ..loop import DeciderExit, ForcedExit, PolicyExit, core_input
-from ..schedulers import TAPS, build_step_schedule
+from ..model.halting.base import ExitLogits
+from ..model.halting.training_free import ExitPolicy, resolve_exit_policy
+from ..model.loop import DeciderExit, ForcedExit, PolicyExit, core_input
+from ..model.schedulers import TAPS, build_step_schedule
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class SlotCombiners:
 
     Per call the combiner (the method's ``combiner(ctx)`` when the output mixes, else ``ExitLogits``) is
     rebuilt over the given slots from its stored state (fresh at depth 1), called, and its state stored
-    back: the math is the combiner's own (``retrofit.halting.tah2.DepthMixture``).
+    back: the math is the combiner's own (``retrofit.model.halting.tah2.DepthMixture``).
     """
 
     def __init__(self, method, n_slots: int, device):
@@ -204,7 +204,7 @@ class MethodAdapter:
 
     def runs_decider(self, spec: ExitSpec) -> bool:
         """The decider must run: it decides the exit, or (TaH2, under a training-free exit) its signal
-        weights the mixture. A forced depth runs no decider (``retrofit.loop.ForcedExit``)."""
+        weights the mixture. A forced depth runs no decider (``retrofit.model.loop.ForcedExit``)."""
         return spec.rule == "decider" or (spec.rule == "policy" and self.method.needs_depth_readout)
 
     def mixes(self, spec: ExitSpec) -> bool:

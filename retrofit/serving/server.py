@@ -4,7 +4,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the tokenizer's
 streaming with server-sent events (``"stream": true``), ``GET /v1/models``, ``GET /health`` and
 ``GET /metrics`` (Prometheus text: queue length, running requests, rows in flight, tokens/s, mean
 depth d̄, KV blocks in use). Every response's ``usage`` adds the request's ``mean_depth`` (exit depth of
-the steps that produced its tokens) and ``flops`` (``retrofit.flops``) to the OpenAI fields.
+the steps that produced its tokens) and ``flops`` (``retrofit.model.flops``) to the OpenAI fields.
 
 Beyond OpenAI's parameters a request may set ``top_k``, ``ignore_eos`` and the exit control of
 ``generate``: ``exit_policy`` (``decider``, ``fixed``, ``kl``, ``state``), ``exit_threshold``, ``depth``,

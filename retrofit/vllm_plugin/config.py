@@ -19,7 +19,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 METHODS = ("tah2", "anira-e", "anira-o", "fixed")
 ATTENTION_MODES = ("same-depth", "duo-causal")
-# the method's attention when the checkpoint leaves it None (retrofit.config.DEFAULT_ATTENTION)
+# the method's attention when the checkpoint leaves it None (retrofit.model.config.DEFAULT_ATTENTION)
 DEFAULT_ATTENTION = {
     "tah2": "duo-causal",
     "anira-e": "same-depth",
@@ -33,7 +33,7 @@ TRAINING_ONLY = (
     "fixed_graph",
     "deep_init_logit",
     "extra",
-    # the auxiliary losses' weights (retrofit.config.LossConfig)
+    # the auxiliary losses' weights (retrofit.model.config.LossConfig)
     "alpha_d",
     "rho",
     "decider_weighting",

@@ -18,7 +18,7 @@ Per-token exits, with every depth computed for every token. A token that exited 
 through at deeper depths: each core layer gets, as its input, the token's input to that layer at
 ``d*``. The core's weights being shared, its keys/values at every depth ``j > d*`` then equal those
 at ``d*``, and the cache of depth ``m`` holds, for every token ``s``, the K/V of depth ``min(m, d*_s)``:
-exactly what **same-depth** attention reads (``retrofit/attention.py``), so vLLM's kernel reads the
+exactly what **same-depth** attention reads (``retrofit/model/attention.py``), so vLLM's kernel reads the
 depth-``m`` cache as is. **Duo-causal** attention (query at depth ``m`` sees every executed
 ``(s, j)``, ``j <= min(m, d*_s)``) reads the caches of depths ``1 … m`` together, masked by each
 position's last executed depth; the plugin computes it itself over the same paged caches
@@ -73,7 +73,7 @@ class Updater(nn.Module):
 
 
 class DeciderFFN(nn.Module):
-    """``fc2(SiLU(fc1(norm(x))))``, the body of every decider (``retrofit.heads.DeciderFFN``)."""
+    """``fc2(SiLU(fc1(norm(x))))``, the body of every decider (``retrofit.model.heads.DeciderFFN``)."""
 
     def __init__(self, in_features: int, hidden: int, out_features: int, prefix: str):
         super().__init__()
@@ -88,7 +88,7 @@ class DeciderFFN(nn.Module):
 
 
 class SwiGLUDecider(nn.Module):
-    """The TaH2 release's decider (``retrofit.heads.SwiGLUDecider``): each input part RMS-normed on its own,
+    """The TaH2 release's decider (``retrofit.model.heads.SwiGLUDecider``): each input part RMS-normed on its own,
     ``score(norm_out(down(SiLU(gate x) * up x)))`` with ``x = input_proj([norm_i(x_i)])``."""
 
     def __init__(self, parts: list[int], width: int, prefix: str):
@@ -182,7 +182,7 @@ def duo_causal_attention(attns: list[Attention], q, k, v, state: LoopState, bloc
 
     Query ``(t, m)`` attends to every ``(s, j)`` with ``s <= t``, ``j <= m`` and ``j <= d*_s`` (the
     depths ``s`` executed; ``state.exec_depth``), one softmax over all of them — the same function
-    as ``retrofit.attention.depth_key_visibility(..., "duo-causal")``.
+    as ``retrofit.model.attention.depth_key_visibility(..., "duo-causal")``.
 
     Args:
         attns: the ``Attention`` modules of depths ``1 … m`` of one core layer.
@@ -429,7 +429,7 @@ class LoopedForCausalLM(nn.Module):
             self._set_slots()
 
         exit_at = None  # [N] planned exit depth
-        # a forced depth runs no decider, and TaH2 then returns the exit depth's logits (retrofit.loop.ForcedExit)
+        # a forced depth runs no decider, and TaH2 then returns the exit depth's logits (retrofit.model.loop.ForcedExit)
         mixing = spec.mixture_output and spec.serve_depth is None
         if spec.serve_depth is not None:
             exit_at = torch.full((N,), spec.serve_depth, dtype=torch.long, device=dev)
@@ -441,7 +441,7 @@ class LoopedForCausalLM(nn.Module):
         active = torch.ones(N, dtype=torch.bool, device=dev)
         h = e
         saved: list[torch.Tensor | None] = [None] * len(spec.core)
-        # TaH2 output mixture, streamed over depths (retrofit.generation.cached_forward)
+        # TaH2 output mixture, streamed over depths (retrofit.model.generation.cached_forward)
         log_mix = lse_exit = z_exit = None
         survive = torch.ones(N, device=dev)
         depths = torch.full((N,), D, dtype=torch.long, device=dev)

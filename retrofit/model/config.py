@@ -1,0 +1,351 @@
+"""The loop specification: which layers loop, how deep, which halting method, which attention.
+
+A pretrained stack ``L_0 … L_{N-1}`` is split into three contiguous ranges (docs/looped-model.md)::
+
+    prelude = L_0 … L_{p-1}          runs once per token
+    core    = L_p … L_{p+c-1}        runs d = 1 … max_depth times per token
+    coda    = L_{p+c} … L_{N-1}      runs once, on each token's exit-depth state
+
+``LoopConfig`` holds what changes the model's function and the weights of the halting methods'
+auxiliary losses (``LossConfig``): the model computes its own auxiliary loss when given labels, so
+any trainer optimizes the method's objective. Other training hyper-parameters live with the
+trainer (``retrofit.training``), whose loss-weight flags override the fields here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import RetrofitUserError
+
+METHODS = ("tah2", "anira-e", "anira-o", "fixed")
+ATTENTION_MODES = ("duo-causal", "same-depth")
+DECIDER_ARCHS = ("swiglu", "ffn")
+DECIDER_LOSS_NORMS = ("tokens", "weights")
+
+# Each method's natural attention (docs/looped-model.md): TaH2 trains with duo-causal attention across
+# depths; ANIRA uses the allocation-aware same-depth read; a plain fixed-depth loop (Huginn, Ouro)
+# attends within its own iteration, which is the same-depth rule when every token has one depth.
+DEFAULT_ATTENTION = {
+    "tah2": "duo-causal",
+    "anira-e": "same-depth",
+    "anira-o": "same-depth",
+    "fixed": "same-depth",
+}
+
+
+#: Upper bound of ``max_depth``. Every depth keeps its own K/V for the core layers in the cache and,
+#: in training, its own activations and next-token logits ``[B, T, V]``, so memory and time grow
+#: linearly with the depth; the looped-model papers train at 2-8 (TaH2, ANIRA) and at most 32 on
+#: average (Huginn). 64 leaves room for test-time extrapolation; raise it here if you really need more.
+MAX_DEPTH = 64
+
+
+class LoopConfigError(RetrofitUserError, ValueError):
+    """An invalid loop specification; the message says what was wrong and what is allowed."""
+
+
+class DepthError(RetrofitUserError, ValueError):
+    """A forced exit depth (``depth=``) of the wrong type, shape or range."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class LossConfig:
+    """Weights and switches of the methods' auxiliary training losses (docs/tah2.md, docs/anira.md).
+
+    Args:
+        alpha_d: TaH2's decider-loss weight ``α_D`` in ``L = L_NTP + α_D · L_D`` (§3: 0.05).
+        rho: TaH2's cutoff mass ``ρ``: the kept positive gains cover this share of the batch's total
+            positive gain (§3: 0.99). ``1.0`` keeps every positive gain (the seed's "ρ = 1" ablation).
+        decider_weighting: TaH2's BCE weights: ``"distance"`` = ``|δ - κ|`` (cost-sensitive, §3) or
+            ``"uniform"`` (the seed's ablation, −3.6 points).
+        gamma: ANIRA's weight ``γ`` of the KL-to-prior term ``L_C`` (§4). The seed tunes it by grid
+            search (ANIRA Appendix Table 5, values not in the seed); 0.01 is our default.
+        prior_base: ANIRA's prior ``p(d) ∝ b^(-d)``; ``b = 1`` leaves only the entropy term (§4).
+        dyn_pos_weight: TaH2 release: the BCE's ``pos_weight`` at each decision depth is the batch's
+            negative/positive label ratio there (summed over data-parallel ranks), clamped to
+            ``[0.02, 50]`` (1 when either class is absent), so "continue" and "stop" weigh the same in
+            total whatever their frequency. ``False``: the static ``pos_weight``.
+        pos_weight: the static ``pos_weight`` when ``dyn_pos_weight`` is off (1 = plain BCE).
+        cost_min, cost_max: TaH2 release: the cost-sensitive weights ``|δ - κ|`` are clamped to
+            ``[cost_min, cost_max]`` (``1e-6``, ``1``), so a few decisions with huge gains or losses
+            cannot dominate the loss; ``cost_max=None`` leaves them unbounded (retrofit < 0.2).
+        decider_loss_norm: ``"tokens"``: ``L_D = Σ w · BCE / N`` with ``N`` the labelled tokens (the
+            release divides by ``num_items_in_batch``); ``"weights"``: ``Σ w · BCE / Σ w`` (retrofit < 0.2),
+            which makes ``L_D`` independent of the gains' scale.
+        bce_margin: TaH2 release: BCE on ``logit - m·(2y - 1)``: positives are pushed above ``+m``
+            and negatives below ``-m`` in logit space (0 = plain BCE).
+    """
+
+    alpha_d: float = 0.05
+    rho: float = 0.99
+    decider_weighting: str = "distance"
+    gamma: float = 0.01
+    prior_base: float = 2.0
+    dyn_pos_weight: bool = True
+    pos_weight: float = 1.0
+    cost_min: float = 1e-6
+    cost_max: float | None = 1.0
+    decider_loss_norm: str = "tokens"
+    bce_margin: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 < self.rho <= 1.0:
+            raise ValueError(f"rho must lie in (0, 1], got {self.rho!r}")
+        if self.decider_weighting not in ("distance", "uniform"):
+            raise ValueError(f"decider_weighting must be 'distance' or 'uniform', got {self.decider_weighting!r}")
+        if self.alpha_d < 0 or self.gamma < 0:
+            raise ValueError(f"alpha_d and gamma must be >= 0, got alpha_d={self.alpha_d!r}, gamma={self.gamma!r}")
+        if self.prior_base <= 0:
+            raise ValueError(f"prior_base (b in p(d) ∝ b^(-d)) must be > 0, got {self.prior_base!r}")
+        if not isinstance(self.dyn_pos_weight, bool):
+            raise ValueError(f"dyn_pos_weight must be true or false, got {self.dyn_pos_weight!r}")
+        if not _is_number(self.pos_weight) or not self.pos_weight > 0:
+            raise ValueError(f"pos_weight must be a number > 0, got {self.pos_weight!r}")
+        if not _is_number(self.cost_min) or self.cost_min < 0:
+            raise ValueError(f"cost_min must be a number >= 0, got {self.cost_min!r}")
+        if self.cost_max is not None and (not _is_number(self.cost_max) or not self.cost_max > self.cost_min):
+            raise ValueError(f"cost_max must be None (no upper clamp) or a number > cost_min, got {self.cost_max!r}")
+        if self.decider_loss_norm not in DECIDER_LOSS_NORMS:
+            raise ValueError(
+                f"decider_loss_norm must be one of {', '.join(DECIDER_LOSS_NORMS)}, got {self.decider_loss_norm!r}"
+            )
+        if not _is_number(self.bce_margin) or self.bce_margin < 0:
+            raise ValueError(f"bce_margin must be a number >= 0, got {self.bce_margin!r}")
+
+
+LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))
+
+#: Fields added in retrofit 0.2 whose default changed what the model computes, with the value an older
+#: checkpoint (whose stored ``loop`` dict lacks the field) was trained with: ``LoopConfig.from_dict``.
+LEGACY_VALUES: dict[str, Any] = {
+    "decider_arch": "ffn",
+    "dyn_pos_weight": False,
+    "cost_min": 0.0,
+    "cost_max": None,
+    "decider_loss_norm": "weights",
+}
+
+
+@dataclass
+class LoopConfig:
+    """How to loop a pretrained model.
+
+    Args:
+        prelude: Number of leading layers run once per token (0 = whole-stack looping).
+        core: Number of layers looped after the prelude. ``None`` means all remaining layers
+            (whole-stack looping when ``prelude == 0``); the layers after the core form the coda.
+        max_depth: Maximum number of core iterations ``D`` (TaH2's ``M``). 1 reproduces the base model.
+        method: Halting method: one of ``"tah2"``, ``"anira-e"``, ``"anira-o"``, ``"fixed"``.
+        attention: ``"duo-causal"`` (attend to every executed depth ≤ the current one, TaH2) or
+            ``"same-depth"`` (attend to each earlier token once, at depth ``min(d, d*_s)``, ANIRA).
+            ``None`` picks the method's natural mode (``DEFAULT_ATTENTION``).
+        updater_hidden: Hidden width of the updater MLP; ``None`` = the model's hidden size. Lower
+            it if the heads' parameter share matters (the report in ``retrofit.model.heads``).
+        decider_hidden: Hidden width of the decider FFN; ``None`` = hidden size // 4.
+        decider_top_k: TaH2 decider input: how many top next-token probabilities it sees (§3; the
+            authors' release reads 2,048). ``0``: no probability features — the decider reads ``e`` and
+            ``h`` only, and with ``mixture_output=False`` inference then reads out the exit depth only
+            (no LM head or coda per depth: docs/tah2.md, "what a continue costs").
+        decider_arch: TaH2's decider: ``"swiglu"`` (the authors' release: each input part RMS-normed on
+            its own, an input projection, a SwiGLU MLP, an output norm and a bias-free score layer
+            drawn from N(0, ``decider_init_std``), so p ≈ 0.5 at the start) or ``"ffn"`` (retrofit < 0.2:
+            one RMSNorm over the concatenated input, ``fc2(SiLU(fc1(·)))``, score bias
+            ``deep_init_logit``). Checkpoints saved before the field existed load as ``"ffn"``.
+        decider_init_std: std of the ``"swiglu"`` decider's score layer at init (release: 0.01).
+        exit_threshold: TaH2's ``τ_exit``: a token stops at the first depth whose continue
+            probability is below it (§3: 0.5).
+        halt_threshold: ANIRA-O inference: the token stops at the first depth where the cumulative
+            halting mass reaches this value (0.5 = the median depth, §4); lower = shallower.
+        mixture_output: TaH2 output = halting-weighted mixture of per-depth distributions (§3).
+            ``False`` is the seed's "final-depth prediction only" ablation.
+        train_decisions: TaH2 training-time depth choice: ``"threshold"`` (on-policy, the same
+            rule as inference, §3) or ``"sample"`` (Bernoulli on the continue probability, the
+            seed's ablation).
+        gumbel_tau: Temperature of ANIRA-E's straight-through Gumbel-softmax during training.
+        fixed_graph: Always unroll all ``max_depth`` iterations, even when every token has exited.
+            Needed under DeepSpeed ZeRO-3, whose trace cache thrashes on dynamic control flow.
+        deep_init_logit: Initial logit of the deciders' "continue" choice (ANIRA, and TaH2's ``"ffn"``
+            decider). Deciders start deep (they continue at init) because shallow starts trap training
+            (an ACT finding).
+        alpha_d, rho, decider_weighting, gamma, prior_base, dyn_pos_weight, pos_weight, cost_min, cost_max,
+            decider_loss_norm, bce_margin: the auxiliary losses' weights and switches (``LossConfig``); the
+            model adds ``α_D · L_D`` (TaH2) or ``γ · L_C`` (ANIRA) to its loss.
+    """
+
+    prelude: int = 0
+    core: int | None = None
+    max_depth: int = 2
+    method: str = "tah2"
+    attention: str | None = None
+    updater_hidden: int | None = None
+    decider_hidden: int | None = None
+    decider_top_k: int = 2048
+    decider_arch: str = "swiglu"
+    decider_init_std: float = 0.01
+    exit_threshold: float = 0.5
+    halt_threshold: float = 0.5
+    mixture_output: bool = True
+    train_decisions: str = "threshold"
+    gumbel_tau: float = 1.0
+    fixed_graph: bool = False
+    deep_init_logit: float = 3.0
+    alpha_d: float = 0.05
+    rho: float = 0.99
+    decider_weighting: str = "distance"
+    gamma: float = 0.01
+    prior_base: float = 2.0
+    dyn_pos_weight: bool = True
+    pos_weight: float = 1.0
+    cost_min: float = 1e-6
+    cost_max: float | None = 1.0
+    decider_loss_norm: str = "tokens"
+    bce_margin: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise LoopConfigError(f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
+        if self.attention is None:
+            self.attention = DEFAULT_ATTENTION[self.method]
+        if self.attention not in ATTENTION_MODES:
+            raise LoopConfigError(f"unknown attention mode {self.attention!r}; allowed: {', '.join(ATTENTION_MODES)}")
+        if not _is_int(self.max_depth) or self.max_depth < 1:
+            raise LoopConfigError(f"max_depth must be an integer >= 1, got {self.max_depth!r}")
+        if self.max_depth > MAX_DEPTH:
+            raise LoopConfigError(
+                f"max_depth={self.max_depth} is above the limit of {MAX_DEPTH}: every depth keeps its own K/V and, in "
+                f"training, its own activations and logits, so memory and time grow linearly with it (the papers use "
+                f"2-32); use max_depth <= {MAX_DEPTH}"
+            )
+        if not _is_int(self.prelude) or self.prelude < 0:
+            raise LoopConfigError(f"prelude must be an integer >= 0 (number of leading layers), got {self.prelude!r}")
+        if self.core is not None and (not _is_int(self.core) or self.core < 1):
+            raise LoopConfigError(f"core must be None (all remaining layers) or an integer >= 1, got {self.core!r}")
+        if self.train_decisions not in ("threshold", "sample"):
+            raise LoopConfigError(f"train_decisions must be 'threshold' or 'sample', got {self.train_decisions!r}")
+        for name in ("exit_threshold", "halt_threshold"):
+            v = getattr(self, name)
+            if not _is_number(v) or not 0.0 < v < 1.0:
+                raise LoopConfigError(f"{name} must be a number strictly between 0 and 1, got {v!r}")
+        if not _is_int(self.decider_top_k) or self.decider_top_k < 0:
+            raise LoopConfigError(
+                f"decider_top_k must be an integer >= 0 (0 = no probability features), got {self.decider_top_k!r}"
+            )
+        if self.decider_arch not in DECIDER_ARCHS:
+            raise LoopConfigError(f"decider_arch must be one of {', '.join(DECIDER_ARCHS)}, got {self.decider_arch!r}")
+        if not _is_number(self.decider_init_std) or not self.decider_init_std >= 0:
+            raise LoopConfigError(f"decider_init_std must be a number >= 0, got {self.decider_init_std!r}")
+        for name in ("updater_hidden", "decider_hidden"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise LoopConfigError(f"{name} must be None or a positive integer, got {v!r}")
+        if not _is_number(self.gumbel_tau) or not self.gumbel_tau > 0:
+            raise LoopConfigError(f"gumbel_tau must be a number > 0, got {self.gumbel_tau!r}")
+        if not _is_number(self.deep_init_logit) or not math.isfinite(self.deep_init_logit):
+            raise LoopConfigError(f"deep_init_logit must be a finite number, got {self.deep_init_logit!r}")
+        for name in ("mixture_output", "fixed_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise LoopConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        try:
+            self.loss_config  # noqa: B018  (validates the loss weights)
+        except ValueError as e:
+            raise LoopConfigError(str(e)) from None
+
+    @property
+    def loss_config(self) -> LossConfig:
+        """The auxiliary losses' weights as a ``LossConfig``."""
+        return LossConfig(**{k: getattr(self, k) for k in LOSS_FIELDS})
+
+    # ----------------------------------------------------------------------------------------
+    def layer_ranges(self, num_layers: int) -> tuple[range, range, range]:
+        """Resolve the split against a stack of ``num_layers`` layers.
+
+        Returns:
+            ``(prelude, core, coda)`` as ``range`` objects of layer indices.
+
+        Raises:
+            LoopConfigError: if the ranges do not fit in ``num_layers``.
+        """
+        p = self.prelude
+        if p >= num_layers:
+            raise LoopConfigError(
+                f"prelude={p} leaves no layer to loop: the model has {num_layers} layers, "
+                f"so prelude must be in 0..{num_layers - 1}"
+            )
+        c = num_layers - p if self.core is None else self.core
+        if p + c > num_layers:
+            raise LoopConfigError(
+                f"prelude={p} + core={c} = {p + c} exceeds the model's {num_layers} layers; "
+                f"with prelude={p}, core must be in 1..{num_layers - p} (or None for all remaining)"
+            )
+        return range(0, p), range(p, p + c), range(p + c, num_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LoopConfig":
+        """A ``LoopConfig`` from a stored dict (a checkpoint's ``config.loop``).
+
+        ``to_dict`` writes every field, so a field missing from ``d`` was written before it existed: it
+        takes the value of ``LEGACY_VALUES`` that reproduces what that older version computed (e.g. the
+        ``"ffn"`` decider), not the current default.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise LoopConfigError(f"unknown LoopConfig fields {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**{**{k: v for k, v in LEGACY_VALUES.items() if k not in d}, **d})
+
+
+def validate_depth(depth, batch: int, seq: int, max_depth: int):
+    """Check a forced exit depth (the ``depth=`` argument of the looped forward and ``generate``).
+
+    Args:
+        depth: None, an int, or a ``[B, T]`` tensor of an *integer* dtype; values in ``1 … max_depth``.
+        batch, seq: ``B`` and ``T`` of the input.
+        max_depth: ``D``.
+
+    Returns:
+        None, or a ``[B, T]`` long tensor (an int is broadcast; ``batch``/``seq`` decide the shape).
+
+    Raises:
+        DepthError: a float or bool tensor (1.7 would silently become 1), a bool, a wrong shape, or a
+            value outside ``1 … max_depth``.
+    """
+    if depth is None:
+        return None
+    import torch
+
+    if _is_int(depth):
+        if not 1 <= depth <= max_depth:
+            raise DepthError(f"depth={depth} is out of range: allowed 1..{max_depth} (max_depth)")
+        return torch.full((batch, seq), depth, dtype=torch.long)
+    if isinstance(depth, torch.Tensor):
+        if depth.dtype.is_floating_point or depth.dtype.is_complex or depth.dtype == torch.bool:
+            raise DepthError(
+                f"a depth tensor must have an integer dtype (depths are whole iterations), got {depth.dtype}; "
+                "round it yourself and pass .long()"
+            )
+        if tuple(depth.shape) != (batch, seq):
+            raise DepthError(f"a depth tensor must have shape [B, T] = {(batch, seq)}, got {tuple(depth.shape)}")
+        depth = depth.long()
+        if depth.numel() and (bool((depth < 1).any()) or bool((depth > max_depth).any())):
+            raise DepthError(
+                f"depth values must lie in 1..{max_depth} (max_depth); "
+                f"got min {int(depth.min())}, max {int(depth.max())}"
+            )
+        return depth
+    raise DepthError(f"depth must be None, an int or a [B, T] integer tensor, got {type(depth).__name__}")

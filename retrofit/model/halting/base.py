@@ -1,0 +1,176 @@
+"""The contract every halting method fulfils.
+
+A method owns, in its one file, its decider modules, its exit rule (inference and training), how
+its per-depth outputs combine into the model's output, and its auxiliary loss (STYLE.md: they
+change together). The depth loop (``retrofit.model.loop``) calls, in order:
+
+1. ``plan(e, ctx)`` once, with the core input ``e`` ``[B, T, H]``: a method that decides before the
+   loop (ANIRA-E) returns the planned exit depth ``[B, T]``; online methods return ``None``.
+2. ``step(d, e, h, probs, ctx)`` after each depth ``d < D`` on the (passthrough) state ``h``:
+   returns ``continue`` ``[B, T]`` bool (meaningful for tokens still active) or ``None`` (always
+   continue). ``probs`` is the depth-``d`` next-token distribution when ``needs_depth_readout``.
+3. ``combiner(ctx)`` (only for methods with ``needs_depth_readout``): a ``DepthCombiner`` that
+   receives every executed depth's logits and returns the output logits (TaH2's mixture).
+4. ``distribution(ctx, depths)`` after the loop: the halting distribution over depths
+   ``[B, T, D]`` (or ``None`` for a method without one) and, for training, the straight-through
+   weights used to combine per-depth states (``None`` when the hard exit state is used as is).
+
+When the exit depth is forced (``depth=``), the loop calls none of these: no decider runs, and
+the output is each token's exit-depth readout.
+
+The auxiliary loss: ``loss(outputs, labels, cfg, attention_mask=None)`` returns the method's loss,
+already weighted (``α_D · L_D`` for TaH2, ``γ · L_C`` for ANIRA), plus detached scalars to log.
+The model's forward calls it with ``cfg = LoopConfig.loss_config`` whenever it gets labels, adds it
+to ``loss`` and exposes it as ``aux_loss`` (the mixture-of-experts convention TRL's trainers know).
+A method whose loss reads per-depth next-token losses sets ``needs_depth_losses`` (TaH2: the
+forward then runs the lookahead iteration). ``train_forward_kwargs(cfg)`` gives trainer-side
+extra forward arguments (``fixed``'s random depth per batch, TaH2's threshold warm-up).
+
+``ctx`` is a ``HaltContext`` created per forward: all per-call state lives there, so a module can
+serve concurrent forwards and checkpoint recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..config import LoopConfig, LossConfig
+
+__all__ = ["AuxLoss", "DepthCombiner", "ExitLogits", "HaltContext", "HaltingMethod", "LossConfig"]
+
+
+@dataclass
+class AuxLoss:
+    """A method's auxiliary training loss.
+
+    Attributes:
+        loss: scalar, already weighted; the model adds it to the next-token loss.
+        metrics: detached scalars to log (e.g. the unweighted decider loss, the cutoff κ).
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class HaltContext:
+    """Per-forward state of a halting method."""
+
+    training: bool
+    max_depth: int
+    signals: list[torch.Tensor] = field(default_factory=list)  # one [B, T] per decided depth
+    extra: dict = field(default_factory=dict)
+    #: this call's decision threshold, replacing the method's own (``forward(decider_threshold=)``): TaH2's
+    #: τ_exit, ANIRA-O's cumulative halting mass, ANIRA-E's quantile of q; None = the ``LoopConfig``'s
+    threshold: float | None = None
+
+
+class DepthCombiner:
+    """Turns the logits of every executed depth into a token's output logits, depth by depth.
+
+    ``add`` is called once per executed depth with tensors over the same tokens (any leading shape,
+    e.g. ``[B, T]``, or ``[N]`` for a serving engine's tokens); all state is per token.
+    """
+
+    def add(
+        self,
+        d: int,
+        z: torch.Tensor,
+        logp: torch.Tensor | None,
+        active: torch.Tensor,
+        stop: torch.Tensor,
+        signal: torch.Tensor | None,
+    ) -> None:
+        """Depth ``d``'s logits ``z [..., V]`` (``logp``: their log-softmax, when already computed).
+
+        ``active``: the token executed depth ``d``; ``stop``: it exits at ``d``; ``signal``: the
+        decider's output after depth ``d`` (None when it made no decision there).
+        """
+        raise NotImplementedError
+
+    def logits(self, depths: torch.Tensor) -> torch.Tensor:
+        """The output logits ``[..., V]`` given the exit depths ``[...]``."""
+        raise NotImplementedError
+
+    @property
+    def needs_log_probs(self) -> bool:
+        """``add`` reads ``logp`` (the caller then computes it once for the decider and for this)."""
+        return False
+
+
+class ExitLogits(DepthCombiner):
+    """The exit depth's logits: ``z^(d*)`` per token."""
+
+    def __init__(self):
+        self.z_exit = None
+
+    def add(self, d, z, logp, active, stop, signal):
+        self.z_exit = z if self.z_exit is None else torch.where(stop[..., None], z, self.z_exit)
+
+    def logits(self, depths):
+        return self.z_exit
+
+
+class HaltingMethod(nn.Module):
+    """Base class; see the module docstring for the call order."""
+
+    name: str = ""
+    #: the method reads the next-token distribution of every executed depth (TaH2's decider input);
+    #: its output then comes from ``combiner`` instead of one readout of the exit state
+    needs_depth_readout: bool = False
+
+    def __init__(self, hidden_size: int, loop: LoopConfig):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.loop = loop
+
+    @property
+    def mixture_output(self) -> bool:
+        """Output = halting-weighted mixture of per-depth distributions (TaH2 only)."""
+        return False
+
+    def new_context(self, training: bool, threshold: float | None = None) -> HaltContext:
+        return HaltContext(training=training, max_depth=self.loop.max_depth, threshold=threshold)
+
+    def plan(self, e: torch.Tensor, ctx: HaltContext) -> torch.Tensor | None:
+        return None
+
+    def step(self, d: int, e: torch.Tensor, h: torch.Tensor, probs: torch.Tensor | None, ctx: HaltContext):
+        return None
+
+    def combiner(self, ctx: HaltContext) -> DepthCombiner:
+        """How the per-depth logits combine (read when ``needs_depth_readout``): the exit depth's."""
+        return ExitLogits()
+
+    def distribution(self, ctx: HaltContext, depths: torch.Tensor):
+        """Returns ``(depth_probs [B, T, D] or None, straight_through [B, T, D] or None)``."""
+        return None, None
+
+    # -- training ------------------------------------------------------------------------------
+    #: the loss reads ``outputs.depth_nll``: the forward computes it (and the lookahead iteration)
+    needs_depth_losses: bool = False
+
+    def train_forward_kwargs(self, cfg, step: int = 0) -> dict:
+        """Extra forward keyword arguments for one training step (``cfg``: the trainer's config; ``step``:
+        the optimizer steps done so far, for schedules such as TaH2's threshold warm-up)."""
+        return {}
+
+    def loss(
+        self, outputs, labels: torch.Tensor, cfg: LossConfig, attention_mask: torch.Tensor | None = None
+    ) -> AuxLoss | None:
+        """The method's weighted auxiliary loss for one batch, or ``None`` (plain next-token loss).
+
+        Args:
+            outputs: the ``LoopedCausalLMOutput`` of the forward (its fields, not its loss).
+            labels: ``[B, T]`` unshifted labels (-100 = ignored), as given to the forward.
+            cfg: loss weights and switches (the model passes ``LoopConfig.loss_config``).
+            attention_mask: ``[B, T]`` 1 for real tokens; ``None`` = every token is real.
+        """
+        return None
+
+    @property
+    def decider_hidden(self) -> int:
+        return self.loop.decider_hidden or max(1, self.hidden_size // 4)

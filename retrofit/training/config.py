@@ -1,0 +1,185 @@
+"""``RetrofitSFTConfig``: TRL's ``SFTConfig`` plus the looped methods' loss weights and training switches
+(the trainer that reads it: ``retrofit.training.trainer``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import SFTConfig
+
+from ..model.config import LOSS_FIELDS
+from ..model.halting.base import LossConfig
+
+
+@dataclass
+class RetrofitSFTConfig(SFTConfig):
+    """``SFTConfig`` plus the looped methods' loss weights and training switches.
+
+    Every paper choice is a field, so an ablation is one flag (``--decider_weighting uniform``,
+    ``--rho 1.0``). The loss weights (``alpha_d``, ``rho``, ``decider_weighting``, ``gamma``,
+    ``prior_base``) default to None, "the model's": the model's ``LoopConfig`` holds them, and a value
+    set here overrides it (the trainer writes it into the model's config, so the saved checkpoint
+    records it). Model-side switches (``train_decisions="sample"``, ``mixture_output=False``,
+    ``fixed_graph``) live in ``LoopConfig``; the recipes expose them as flags too.
+
+    On a machine without CUDA, ``bf16`` defaults to False (TRL defaults it to True). Unused
+    parameters are expected (an adaptive depth may skip the updater in a step), so
+    ``ddp_find_unused_parameters`` defaults to True.
+    """
+
+    # loss weights: None = the model's LoopConfig value (defaults in brackets)
+    alpha_d: float | None = field(default=None, metadata={"help": "TaH2: weight α_D of the decider loss [0.05]."})
+    rho: float | None = field(
+        default=None,
+        metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels [0.99]; 1.0 = every positive gain."},
+    )
+    decider_weighting: str | None = field(
+        default=None, metadata={"help": "TaH2: BCE weights, 'distance' = |δ - κ| [default] or 'uniform' (ablation)."}
+    )
+    gamma: float | None = field(default=None, metadata={"help": "ANIRA: weight γ of the KL-to-prior loss L_C [0.01]."})
+    prior_base: float | None = field(
+        default=None, metadata={"help": "ANIRA: base b of the depth prior p(d) ∝ b^(-d) [2]; 1 = entropy term only."}
+    )
+    dyn_pos_weight: bool | None = field(
+        default=None,
+        metadata={
+            "help": "TaH2: BCE pos_weight = the batch's negative/positive label ratio per depth, clamped to "
+            "[0.02, 50] (the authors' release) [true]; false = the static --pos_weight."
+        },
+    )
+    pos_weight: float | None = field(
+        default=None, metadata={"help": "TaH2: static BCE pos_weight when --dyn_pos_weight false [1]."}
+    )
+    cost_min: float | None = field(
+        default=None, metadata={"help": "TaH2: lower clamp of the cost-sensitive weights |δ - κ| [1e-6]."}
+    )
+    cost_max: float | None = field(
+        default=None, metadata={"help": "TaH2: upper clamp of the cost-sensitive weights [1]; inf = unbounded."}
+    )
+    decider_loss_norm: str | None = field(
+        default=None,
+        metadata={
+            "help": "TaH2: L_D = Σ w·BCE / labelled tokens ('tokens', the release) [default] or / Σ w ('weights')."
+        },
+    )
+    bce_margin: float | None = field(
+        default=None, metadata={"help": "TaH2: BCE margin m in logit space (the release's bce_margin) [0]."}
+    )
+    depth_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Train every depth before the decider decides: the first N optimizer steps run every token "
+            "through every depth with the mean of the per-depth next-token losses (deep supervision) and no "
+            "decider; the method's own training starts at step N. 0 = off (the methods as published)."
+        },
+    )
+    threshold_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "TaH2: for the first N steps of its phase the training threshold ramps linearly from 0 to "
+            "τ_exit, so nearly every token continues early on (the release's base_warmup_steps). 0 = off."
+        },
+    )
+    depth_schedule: str | None = field(
+        default=None,
+        metadata={
+            "help": "Depth curriculum (the release's max_iter_schedule): 'STEP:DEPTH,...', e.g. '0:1,100:2'; from "
+            "each STEP on, no token runs deeper than DEPTH (the last entry whose STEP has been reached wins)."
+        },
+    )
+    random_depth: bool = field(
+        default=False,
+        metadata={"help": "fixed: draw one depth per micro-batch from Huginn's Poisson-lognormal (clipped to 1..D)."},
+    )
+    random_depth_mean: float | None = field(
+        default=None, metadata={"help": "fixed: mean depth r̄ of the random depth; default (max_depth + 1) / 2."}
+    )
+    random_depth_sigma: float = field(default=0.5, metadata={"help": "fixed: σ of the log-normal rate (Huginn: 0.5)."})
+    truncate_backprop: int | None = field(
+        default=None,
+        metadata={"help": "Backprop through the last k core iterations only (Huginn: 8); None = all iterations."},
+    )
+    atomic_checkpoints: bool = field(
+        default=True,
+        metadata={"help": "Stage each checkpoint in a hidden folder and rename it into place when complete."},
+    )
+    depth_histogram: bool = field(
+        default=True, metadata={"help": "Write a TensorBoard histogram of exit depths at every logging step."}
+    )
+    heads_lr_scale: float = field(
+        default=1.0,
+        metadata={
+            "help": "Learning rate of the new heads (updater, decider) = learning_rate × this. The heads "
+            "start from scratch while the backbone is pretrained; on short runs a larger scale (10-30) "
+            "lets the decider move off its deep initialization."
+        },
+    )
+    decider_lr_scale: float | None = field(
+        default=None,
+        metadata={
+            "help": "Learning rate of the decider (halting head) = learning_rate × this; None = heads_lr_scale "
+            "(the updater always uses heads_lr_scale)."
+        },
+    )
+
+    def __post_init__(self):
+        if self.decider_lr_scale is not None and not (self.decider_lr_scale > 0):
+            raise ValueError(f"decider_lr_scale must be a positive number or None, got {self.decider_lr_scale!r}")
+        if self.bf16 is None and not self.fp16 and (self.use_cpu or not torch.cuda.is_available()):
+            self.bf16 = False  # TRL defaults to bf16=True, which CPUs run slowly and with other numerics
+        if self.activation_checkpointing is None:  # TRL's default (on), under transformers 5's name
+            self.activation_checkpointing = self.gradient_checkpointing
+        if self.ddp_find_unused_parameters is None:
+            self.ddp_find_unused_parameters = True
+        if self.truncate_backprop is not None and self.truncate_backprop < 1:
+            raise ValueError(f"truncate_backprop must be None or >= 1, got {self.truncate_backprop!r}")
+        if self.random_depth_sigma < 0:
+            raise ValueError(f"random_depth_sigma must be >= 0, got {self.random_depth_sigma!r}")
+        if self.random_depth_mean is not None and self.random_depth_mean < 1:
+            raise ValueError(f"random_depth_mean must be >= 1 (a depth), got {self.random_depth_mean!r}")
+        for name in ("depth_warmup_steps", "threshold_warmup_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        self.depth_schedule_steps  # noqa: B018  (validates depth_schedule)
+        _ = self.loss_config  # validates the loss weights and switches
+        super().__post_init__()
+
+    @property
+    def loss_overrides(self) -> dict:
+        """The loss weights set here (not None): what the trainer writes into the model's ``LoopConfig``."""
+        return {k: getattr(self, k) for k in LOSS_FIELDS if getattr(self, k) is not None}
+
+    @property
+    def loss_config(self) -> LossConfig:
+        """The overrides on top of the default weights (the model's own may differ where none is set)."""
+        return LossConfig(**self.loss_overrides)
+
+    @property
+    def depth_schedule_steps(self) -> list[tuple[int, int]]:
+        """``depth_schedule`` parsed: ``[(step, max depth), ...]`` sorted by step (empty when unset)."""
+        if not self.depth_schedule:
+            return []
+        out = []
+        for part in str(self.depth_schedule).split(","):
+            try:
+                a, b = part.split(":")
+                step, depth = int(a), int(b)
+            except ValueError:
+                raise ValueError(
+                    "depth_schedule must be 'STEP:DEPTH,...' with integers (e.g. '0:1,100:2'), "
+                    f"got {self.depth_schedule!r}"
+                ) from None
+            if step < 0 or depth < 1:
+                raise ValueError(f"depth_schedule needs STEP >= 0 and DEPTH >= 1, got {part!r}")
+            out.append((step, depth))
+        return sorted(out)
+
+    def depth_cap_at(self, step: int) -> int | None:
+        """The curriculum's depth cap after ``step`` optimizer steps (None: no cap)."""
+        cap = None
+        for s, d in self.depth_schedule_steps:
+            if s <= step:
+                cap = d
+        return cap

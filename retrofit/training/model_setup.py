@@ -1,0 +1,291 @@
+"""Model helpers the recipes share: the model arguments (``LoopArgs``), load and retrofit a model, freeze the
+prelude, check identity at init, wrap it for LoRA, detect ZeRO-3.
+
+``retrofit.training`` re-exports these names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.config import LoopConfig
+from ..model.modeling import LoopedForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+#: LoRA targets per looped model type: the backbone's attention and MLP projections. PEFT has no
+#: defaults for unknown model types (ECOSYSTEM.md), so they are explicit.
+LORA_TARGETS: dict[str, list[str]] = {
+    "looped_llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "looped_qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+#: modules that train fully next to the adapters (and are saved with them)
+LORA_MODULES_TO_SAVE = ["updater", "halting"]
+
+
+def apply_lora(model: LoopedForCausalLM, r: int = 16, alpha: int = 32, dropout: float = 0.0, targets=None, layers=None):
+    """Wrap ``model`` for LoRA: adapters on the backbone projections, updater and decider trained fully.
+
+    Args:
+        model: a looped model.
+        r, alpha, dropout: LoRA rank, scaling numerator and dropout.
+        targets: module names to adapt; default ``LORA_TARGETS[model_type]``.
+        layers: decoder-layer indices that get adapters; default all. With a frozen prelude, pass the
+            core and coda layers (``lora_layers_after_prelude``): adapters on frozen prelude layers would
+            train them anyway and take the backward through the whole stack.
+
+    Returns:
+        A ``peft.PeftModel``.
+
+    Raises:
+        ValueError: no default targets for this model type and none given.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    mt = model.config.model_type
+    if targets is None:
+        if mt not in LORA_TARGETS:
+            raise ValueError(
+                f"no default LoRA targets for model type {mt!r} (known: {sorted(LORA_TARGETS)}); pass targets="
+            )
+        targets = LORA_TARGETS[mt]
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(targets),
+        layers_to_transform=None if layers is None else sorted(int(i) for i in layers),
+        layers_pattern=None if layers is None else "layers",
+        modules_to_save=list(LORA_MODULES_TO_SAVE),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, cfg)
+
+
+def lora_layers_after_prelude(model: LoopedForCausalLM) -> list[int]:
+    """Indices of the decoder layers after the prelude (core and coda): where LoRA goes when the prelude is frozen."""
+    return list(range(len(model.prelude_layers), model.config.num_hidden_layers))
+
+
+def zero3_enabled(args=None) -> bool:
+    """DeepSpeed ZeRO stage 3 is configured (by ``TrainingArguments`` or ``accelerate launch``)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return True
+    return (
+        os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+        and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "") == "3"
+    )
+
+
+def deepspeed_enabled(args=None) -> bool:
+    """DeepSpeed (any ZeRO stage) is configured, by ``TrainingArguments.deepspeed`` or ``accelerate launch``.
+
+    The recipes then unroll every depth (``LoopConfig.fixed_graph``): ZeRO reduces gradients in buckets as
+    parameters become ready, so every rank must use the same parameters in every step — with adaptive depth
+    one rank whose tokens all exit at depth 1 would leave the updater unused and desynchronize the
+    reductions (ZeRO-2), or thrash the parameter prefetch trace (ZeRO-3).
+    """
+    if zero3_enabled(args):
+        return True
+    if args is not None and getattr(args, "deepspeed", None):
+        return True
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+
+
+def build_looped_model(spec: str, loop: LoopConfig, dtype=None, attn_implementation: str | None = None):
+    """Load ``spec`` (``retrofit.hub.loading.load_model``) and retrofit it with ``loop``.
+
+    A folder that already holds a looped checkpoint is loaded as is (its own ``LoopConfig`` wins;
+    a different ``loop`` only logs a warning, except ``fixed_graph``, which is set).
+
+    Args:
+        attn_implementation: load with this attention implementation (``"sdpa"``, ``"flex_attention"``,
+            ``"flash_attention_2"``, ``"eager"``; None = transformers' default); the looped model keeps it
+            (docs/long-context.md).
+
+    Returns:
+        ``(model, tokenizer)``.
+    """
+    from ..hub.loading import load_model
+    from ..model.convert import convert
+
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    base, tok = load_model(spec, dtype=dtype, **extra)
+    if isinstance(base, LoopedForCausalLM):
+        have = base.loop
+        if have.to_dict() != {**loop.to_dict(), "fixed_graph": have.fixed_graph}:
+            logger.warning("%s is already looped with %s; ignoring the requested %s", spec, have, loop)
+        if loop.fixed_graph and not have.fixed_graph:
+            base.config.loop = {**base.config.loop, "fixed_graph": True}
+        return base, tok
+    return convert(base, loop), tok
+
+
+@dataclass
+class LoopArgs:
+    """The model and how it loops (the recipe's ``ModelConfig``)."""
+
+    model: str = field(
+        default="smollm2",
+        metadata={
+            "help": "Hub id, local folder, .gguf file, 'smollm2' (embedded SmolLM2-135M-Instruct) or "
+            "'tiny-llama'/'tiny-qwen3' (random, tests)."
+        },
+    )
+    dtype: str = field(
+        default="float32", metadata={"help": "Weights dtype: float32 (use --bf16 for mixed precision) or bfloat16."}
+    )
+    method: str = field(
+        default="tah2",
+        metadata={"help": "Halting method: tah2, anira-e, anira-o or fixed (the recipe says which it takes)."},
+    )
+    prelude: int = field(
+        default=0, metadata={"help": "Layers run once before the loop (0 = whole-stack looping, as TaH2 and Ouro)."}
+    )
+    core: int | None = field(
+        default=None,
+        metadata={"help": "Layers looped after the prelude; the rest form the coda. None = all remaining."},
+    )
+    max_depth: int = field(
+        default=2, metadata={"help": "Maximum iterations (TaH2's M; ANIRA's D). Compute grows ~linearly with it."}
+    )
+    attention: str | None = field(
+        default=None, metadata={"help": "duo-causal (TaH2) or same-depth (ANIRA); default: the method's own."}
+    )
+    exit_threshold: float = field(
+        default=0.5, metadata={"help": "tah2: τ_exit, stop at the first depth whose continue prob < τ."}
+    )
+    decider_top_k: int = field(
+        default=2048,
+        metadata={"help": "tah2: top-K next-token probabilities the decider reads (the release: 2048; 0 = none)."},
+    )
+    decider_arch: str = field(
+        default="swiglu",
+        metadata={
+            "help": "tah2: the decider's body: 'swiglu' (the authors' release: per-part norms, SwiGLU MLP, bias-free "
+            "score at N(0, 0.01)) or 'ffn' (retrofit < 0.2, starts at deep_init_logit).",
+            "choices": ["swiglu", "ffn"],
+        },
+    )
+    decider_init_std: float = field(
+        default=0.01, metadata={"help": "tah2 'swiglu' decider: std of the score layer at init (release: 0.01)."}
+    )
+    train_decisions: str = field(
+        default="threshold", metadata={"help": "tah2: 'threshold' (on-policy) or 'sample' (ablation)."}
+    )
+    mixture_output: bool = field(
+        default=True, metadata={"help": "tah2: mixture of per-depth outputs; false = final depth only (ablation)."}
+    )
+    halt_threshold: float = field(
+        default=0.5,
+        metadata={"help": "anira-o inference: stop once the cumulative halting mass reaches it (0.5 = median)."},
+    )
+    gumbel_tau: float = field(default=1.0, metadata={"help": "anira-e training: Gumbel-softmax temperature."})
+    updater_hidden: int | None = field(default=None, metadata={"help": "Updater MLP width; None = hidden size."})
+    decider_hidden: int | None = field(default=None, metadata={"help": "Decider FFN width; None = hidden size / 4."})
+    deep_init_logit: float = field(
+        default=3.0, metadata={"help": "Initial continue logit of the deciders (> 0 = start deep; σ(3) = 0.95)."}
+    )
+    freeze_prelude: bool = field(
+        default=False,
+        metadata={
+            "help": "Freeze the embeddings (and a tied LM head) and the prelude layers' weights. Controls freeze the "
+            "same parameters. With --lora, --lora_layers says whether the prelude still gets adapters."
+        },
+    )
+    lora: bool = field(
+        default=False, metadata={"help": "Train LoRA adapters on the backbone; updater and decider train fully."}
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_layers: str = field(
+        default="all",
+        metadata={
+            "help": "Which decoder layers get LoRA adapters: 'all', or 'after_prelude' (core and coda only: with "
+            "--freeze_prelude no backward runs through the prelude, a faster step; on the main job's validation "
+            "split it cost the looped arm 27 points, docs/main-job.md).",
+            "choices": ["all", "after_prelude"],
+        },
+    )
+    lora_targets: str | None = field(
+        default=None, metadata={"help": "Comma-separated module names; default: attention + MLP projections."}
+    )
+
+    def __post_init__(self):
+        if self.lora_layers not in ("all", "after_prelude"):
+            raise ValueError(f"lora_layers must be 'all' or 'after_prelude'; got {self.lora_layers!r}")
+
+    def loop_config(self, fixed_graph: bool = False, **override) -> LoopConfig:
+        """The ``LoopConfig`` these arguments describe (``override`` replaces fields, e.g. for a control)."""
+        fields = dict(
+            prelude=self.prelude,
+            core=self.core,
+            max_depth=self.max_depth,
+            method=self.method,
+            attention=self.attention,
+            exit_threshold=self.exit_threshold,
+            decider_top_k=self.decider_top_k,
+            decider_arch=self.decider_arch,
+            decider_init_std=self.decider_init_std,
+            train_decisions=self.train_decisions,
+            mixture_output=self.mixture_output,
+            halt_threshold=self.halt_threshold,
+            gumbel_tau=self.gumbel_tau,
+            updater_hidden=self.updater_hidden,
+            decider_hidden=self.decider_hidden,
+            deep_init_logit=self.deep_init_logit,
+            fixed_graph=fixed_graph,
+        )
+        fields.update(override)
+        return LoopConfig(**fields)
+
+
+def freeze_prelude(model) -> int:
+    """No gradients for the embeddings (so a tied LM head too) and the prelude layers; returns the
+    number of parameters that still train."""
+    inner = model.model
+    inner.embed_tokens.weight.requires_grad_(False)
+    if model.lm_head.weight is not inner.embed_tokens.weight:
+        model.lm_head.weight.requires_grad_(False)
+    for layer in model.prelude_layers:
+        layer.requires_grad_(False)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def identity_check(model, base, tokenizer) -> float:
+    """Max |looped logits with every token exiting at depth 1 - base logits| on a probe prompt (0 at init)."""
+    dev = next(model.parameters()).device
+    ids = tokenizer("+ 3 * 4 5 = 17", return_tensors="pt").input_ids.to(dev)
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        err = (model(ids, depth=1).logits - base(ids).logits).abs().max().item()
+    model.train(was)
+    return err
+
+
+def prepare_model(model, loop_args: LoopArgs):
+    """Freeze and/or wrap with LoRA, as the arguments say (the same for the looped arm and controls)."""
+    if loop_args.freeze_prelude:
+        n = freeze_prelude(model)
+        logger.info("frozen embeddings + %d prelude layers; %.1fM parameters train", len(model.prelude_layers), n / 1e6)
+    if loop_args.lora:
+        targets = loop_args.lora_targets.split(",") if loop_args.lora_targets else None
+        layers = lora_layers_after_prelude(model) if loop_args.lora_layers == "after_prelude" else None
+        model = apply_lora(
+            model,
+            r=loop_args.lora_r,
+            alpha=loop_args.lora_alpha,
+            dropout=loop_args.lora_dropout,
+            targets=targets,
+            layers=layers,
+        )
+    return model
