@@ -48,6 +48,8 @@ def test_main_job_tiny_budget(tmp_path):
         "none",
         "--logging_steps",
         "1",
+        "--calibrate_stop_share",  # not in the preset: the calibration end to end
+        "0.5",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -96,7 +98,7 @@ def test_main_job_tiny_budget(tmp_path):
     assert "accuracy-compute frontier" in proc.stdout
     assert (out / "report" / "accuracy_vs_flops.png").exists()
     assert summary["peak_rss_mb"] > 0
-    # the preset calibrates the decider's threshold on training rows (--calibrate_stop_share 0.5) and saves it
+    # --calibrate_stop_share 0.5: the decider's threshold calibrated on training rows and saved
     cal = summary["calibration"]
     assert cal["field"] == "exit_threshold" and cal["stop_share"] == 0.5 and cal["n_rows"] == 24
     assert abs(cal["realized_stop_share"] - 0.5) <= 0.5 / cal["n_decisions"] + 0.05  # ties may hold it off 0.5
