@@ -228,15 +228,7 @@ def run(args) -> int:
     from ..model.families import UnsupportedArchitectureError
 
     try:
-        loop = LoopConfig(
-            prelude=args.prelude,
-            core=args.core,
-            max_depth=args.max_depth,
-            method=args.method,
-            attention=args.attention,
-            updater_hidden=args.updater_hidden,
-            decider_hidden=args.decider_hidden,
-        )
+        loop = LoopConfig.from_fields(args)  # every flag named like a LoopConfig field
         out = convert_to_folder(
             args.model,
             args.out,

@@ -224,28 +224,9 @@ class LoopArgs:
             raise ValueError(f"lora_layers must be 'all' or 'after_prelude'; got {self.lora_layers!r}")
 
     def loop_config(self, fixed_graph: bool = False, **override) -> LoopConfig:
-        """The ``LoopConfig`` these arguments describe (``override`` replaces fields, e.g. for a control)."""
-        fields = dict(
-            prelude=self.prelude,
-            core=self.core,
-            max_depth=self.max_depth,
-            method=self.method,
-            attention=self.attention,
-            exit_threshold=self.exit_threshold,
-            decider_top_k=self.decider_top_k,
-            decider_arch=self.decider_arch,
-            decider_init_std=self.decider_init_std,
-            train_decisions=self.train_decisions,
-            mixture_output=self.mixture_output,
-            halt_threshold=self.halt_threshold,
-            gumbel_tau=self.gumbel_tau,
-            updater_hidden=self.updater_hidden,
-            decider_hidden=self.decider_hidden,
-            deep_init_logit=self.deep_init_logit,
-            fixed_graph=fixed_graph,
-        )
-        fields.update(override)
-        return LoopConfig(**fields)
+        """The ``LoopConfig`` these arguments describe: every ``LoopConfig`` field that ``LoopArgs`` has
+        (``LoopConfig.from_fields``); ``override`` replaces fields, e.g. for a control."""
+        return LoopConfig.from_fields(self, fixed_graph=fixed_graph, **override)
 
 
 def freeze_prelude(model) -> int:
