@@ -234,8 +234,8 @@ def main_job_report(
 
     ``splits`` are the run's ``task_splits`` (the rows training held out are its test splits)."""
     from ..evaluation import evaluate
-    from ..evaluation.jsonio import write_json
     from ..evaluation.options import EvalOptions
+    from ..hub.atomic_io import write_json_atomic
     from ..hub.export import export_model
 
     rows, train_levels = test_rows(script, splits)
@@ -276,7 +276,9 @@ def main_job_report(
         },
     )
     timings["evaluation_s"] = round(time.time() - t_eval, 1)
-    write_json(results, out / "final" / "retrofit_eval.json")  # feeds the model card; atomic, strict JSON
+    write_json_atomic(
+        out / "final" / "retrofit_eval.json", results, strict=True
+    )  # feeds the model card; atomic, strict JSON
     t_exp = time.time()
     export_model(looped, out / "export", tokenizer=tokenizer, overwrite=True)
     timings["export_s"] = round(time.time() - t_exp, 1)
@@ -300,7 +302,7 @@ def main_job_report(
         "report": str(out / "report"),
         **{f"control_{k}": str(c.path) for k, c in controls.items()},
     }
-    write_json(summary, out / "summary.json")
+    write_json_atomic(out / "summary.json", summary, strict=True)
     _print_summary(summary)
     return summary
 
