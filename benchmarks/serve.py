@@ -59,12 +59,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def build(args):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from retrofit.testing import fixed_and_mixed, seeded_llama
 
-    from retrofit import LoopConfig, convert
-
-    cfg = LlamaConfig(
+    base = seeded_llama(
+        0,
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
@@ -76,17 +74,9 @@ def build(args):
         eos_token_id=2,
         pad_token_id=0,
         bos_token_id=1,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg).eval()
+    ).eval()
     loop = {"prelude": args.prelude, "core": args.core, "max_depth": args.max_depth}
-    fixed = convert(base, LoopConfig(method="fixed", **loop)).eval()
-    mixed = convert(base, LoopConfig(method="anira-e", **loop)).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in mixed.halting.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * args.decider_scale)
+    fixed, mixed = fixed_and_mixed(base, args.decider_scale, **loop)
     return base, fixed, mixed
 
 
