@@ -10,6 +10,7 @@ import datasets
 import pytest
 import torch
 import torch.nn.functional as F
+from sft_setup import sft_config
 
 import retrofit
 from retrofit.model.config import LoopConfig
@@ -253,26 +254,21 @@ def _rows(n=48):
 
 
 def _trainer(tmp_path, model=None, callbacks=None, **kw):
-    args = dict(
-        output_dir=str(tmp_path),
-        max_steps=6,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        activation_checkpointing=False,
-        use_cpu=True,
-        disable_tqdm=True,
-        max_length=32,
-        seed=0,
-        dataloader_num_workers=0,
-        lr_scheduler_type="linear",
+    args = sft_config(
+        tmp_path,
+        **{
+            "max_steps": 6,
+            "learning_rate": 3e-3,
+            "logging_steps": 1,
+            "seed": 0,
+            "dataloader_num_workers": 0,
+            "lr_scheduler_type": "linear",
+            **kw,
+        },
     )
-    args.update(kw)
     model = model if model is not None else _model(max_depth=2)
     return RetrofitSFTTrainer(
-        model, RetrofitSFTConfig(**args), train_dataset=_rows(), processing_class=char_tokenizer(), callbacks=callbacks
+        model, args, train_dataset=_rows(), processing_class=char_tokenizer(), callbacks=callbacks
     )
 
 

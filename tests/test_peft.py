@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import PeftModel
+from sft_setup import sft_config
 
 import retrofit
 from retrofit.testing import char_tokenizer, spread_decider, tiny_base
@@ -120,18 +121,7 @@ def test_lora_through_the_trainer_saves_adapter_checkpoints(tmp_path):
     ds, _ = format_sft_dataset(datasets.Dataset.from_list(rows))
     model = apply_lora(looped(), r=4, alpha=8)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = RetrofitSFTConfig(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        save_steps=2,
-        report_to="none",
-        use_cpu=True,
-        activation_checkpointing=False,
-        disable_tqdm=True,
-        max_length=32,
-    )
+    args = sft_config(tmp_path, max_steps=2, learning_rate=1e-2, save_strategy="steps", save_steps=2)
     tr = RetrofitSFTTrainer(model, args, train_dataset=ds, processing_class=char_tokenizer())
     tr.train()
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}

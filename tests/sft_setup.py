@@ -1,0 +1,22 @@
+"""The training arguments the tests' tiny CPU runs share: ``sft_config(output_dir, **kw)`` is
+``RetrofitSFTConfig`` with ``TINY_RUN`` (``kw`` wins), so a test states only what it is about."""
+
+from __future__ import annotations
+
+#: a few rows of 32 tokens on the CPU, no reports, no saves, no progress bars, no activation checkpointing
+TINY_RUN = dict(
+    per_device_train_batch_size=4,
+    max_length=32,
+    save_strategy="no",
+    report_to="none",
+    use_cpu=True,
+    activation_checkpointing=False,
+    disable_tqdm=True,
+)
+
+
+def sft_config(output_dir, **kw):
+    """``RetrofitSFTConfig(output_dir=str(output_dir), **TINY_RUN, **kw)``, ``kw`` overriding ``TINY_RUN``."""
+    from retrofit.training import RetrofitSFTConfig
+
+    return RetrofitSFTConfig(**{"output_dir": str(output_dir), **TINY_RUN, **kw})
