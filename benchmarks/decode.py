@@ -52,22 +52,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def build(args):
-    from retrofit.testing import fixed_and_mixed, seeded_llama
+    from retrofit.testing import benchmark_llama, fixed_and_mixed
 
-    base = seeded_llama(
-        0,
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        pad_token_id=0,
-        bos_token_id=1,
-    ).eval()
+    base = benchmark_llama(args)
     # a second looped model on the same weights whose tokens choose their depth: ANIRA-E with a random
     # decider gives every token a depth in 1..D from its embedding
     fixed, mixed = fixed_and_mixed(base, args.decider_scale, max_depth=args.max_depth)

@@ -59,22 +59,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def build(args):
-    from retrofit.testing import fixed_and_mixed, seeded_llama
+    from retrofit.testing import benchmark_llama, fixed_and_mixed
 
-    base = seeded_llama(
-        0,
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        pad_token_id=0,
-        bos_token_id=1,
-    ).eval()
+    base = benchmark_llama(args)
     loop = {"prelude": args.prelude, "core": args.core, "max_depth": args.max_depth}
     fixed, mixed = fixed_and_mixed(base, args.decider_scale, **loop)
     return base, fixed, mixed

@@ -91,6 +91,26 @@ def seeded_llama(seed: int = 0, attn_implementation: str | None = "sdpa", **conf
     return LlamaForCausalLM(cfg)
 
 
+def benchmark_llama(args, seed: int = 0) -> LlamaForCausalLM:
+    """The decode and serve benchmarks' base model (``seeded_llama``, eval mode): the shape their flags give
+    (``args.vocab``, ``hidden``, ``intermediate``, ``layers``, ``heads``, ``kv_heads``), untied embeddings,
+    4,096 positions."""
+    return seeded_llama(
+        seed,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+    ).eval()
+
+
 def fixed_and_mixed(base, decider_scale: float, seed: int = 1, **loop):
     """Two looped models on ``base``'s weights, in eval mode: ``fixed`` (every token at ``max_depth``) and
     ``mixed``, ANIRA-E whose halting weights are redrawn from N(0, ``decider_scale``²) (generator seeded with
