@@ -20,3 +20,13 @@ def sft_config(output_dir, **kw):
     from retrofit.training import RetrofitSFTConfig
 
     return RetrofitSFTConfig(**{"output_dir": str(output_dir), **TINY_RUN, **kw})
+
+
+def addition_rows(k: int = 8, n: int | None = None, **format_kw):
+    """SFT rows ``"a+b="`` -> ``"a + b"`` for ``a, b < k`` (the first ``n``), through ``format_sft_dataset``."""
+    import datasets
+
+    from retrofit.training import format_sft_dataset
+
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(k) for b in range(k)][:n]
+    return format_sft_dataset(datasets.Dataset.from_list(rows), **format_kw)[0]

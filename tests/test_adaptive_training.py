@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import json
 
-import datasets
 import pytest
 import torch
 import torch.nn.functional as F
-from sft_setup import sft_config
+from sft_setup import addition_rows, sft_config
 
 import retrofit
 from retrofit.model.config import LoopConfig
 from retrofit.model.halting.training_free import RandomContinue, continue_rate_for_mean_depth
 from retrofit.model.heads import SwiGLUDecider
 from retrofit.testing import char_tokenizer, spread_decider, tiny_base
-from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
+from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer
 from retrofit.training.checkpointing import last_checkpoint
 
 
@@ -249,8 +248,7 @@ def test_depth_supervision_is_the_mean_of_every_depths_own_loss(method):
 # the trainer: phases by step, exact resume across the switch
 # ------------------------------------------------------------------------------------------------
 def _rows(n=48):
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)][:n]
-    return format_sft_dataset(datasets.Dataset.from_list(rows), chat=False)[0]
+    return addition_rows(8, n, chat=False)
 
 
 def _trainer(tmp_path, model=None, callbacks=None, **kw):

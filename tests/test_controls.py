@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import copy
 
-import datasets
 import pytest
 import torch
-from sft_setup import sft_config
+from sft_setup import addition_rows, sft_config
 from transformers import LlamaForCausalLM
 
 from retrofit.model.config import LoopConfig
@@ -20,7 +19,7 @@ from retrofit.model.convert import base_model_of, convert
 from retrofit.model.modeling import LoopedForCausalLM
 from retrofit.recipe import LoopArgs, train_and_save
 from retrofit.testing import char_tokenizer, tiny_base
-from retrofit.training import RetrofitSFTTrainer, format_sft_dataset
+from retrofit.training import RetrofitSFTTrainer
 
 
 @pytest.fixture()
@@ -38,8 +37,7 @@ def seen_batches(monkeypatch):
 
 
 def _rows(n=24):
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)][:n]
-    return format_sft_dataset(datasets.Dataset.from_list(rows), chat=False)[0]
+    return addition_rows(6, n, chat=False)
 
 
 def _args(out, **kw):

@@ -19,16 +19,15 @@ import textwrap
 import time
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 from safetensors.torch import save_file
-from sft_setup import sft_config
+from sft_setup import addition_rows, sft_config
 
 import retrofit
 from retrofit.hub import atomic_io as A
 from retrofit.testing import char_tokenizer, tiny_base
-from retrofit.training import RetrofitSFTTrainer, format_sft_dataset
+from retrofit.training import RetrofitSFTTrainer
 from retrofit.training.checkpointing import (
     InvalidCheckpointError,
     atomic_dir,
@@ -52,8 +51,7 @@ def _one_thread():
 def make_trainer(out, max_steps=4, seed=0):
     torch.manual_seed(seed)
     model = retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=2, method="fixed"))
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)]
-    ds, _ = format_sft_dataset(datasets.Dataset.from_list(rows))
+    ds = addition_rows(8)
     args = sft_config(
         out,
         max_steps=max_steps,

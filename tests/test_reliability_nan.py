@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import re
 
-import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
-from sft_setup import sft_config
+from sft_setup import addition_rows, sft_config
 from transformers import TrainerCallback
 
 import retrofit
@@ -27,7 +26,6 @@ from retrofit.testing import char_tokenizer, tiny_base
 from retrofit.training import (
     NonFiniteLossError,
     RetrofitSFTTrainer,
-    format_sft_dataset,
 )
 from retrofit.training.checkpointing import (
     last_finite_checkpoint,
@@ -62,8 +60,7 @@ def trainer(tmp_path, method, save_steps, callbacks=(), max_steps=6):
     loop = {"prelude": 1, "core": 4} if method.startswith("anira") else {}
     torch.manual_seed(0)
     model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=2, method=method, **loop))
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)]
-    ds, _ = format_sft_dataset(datasets.Dataset.from_list(rows))
+    ds = addition_rows(8)
     args = sft_config(
         tmp_path,
         max_steps=max_steps,
@@ -121,8 +118,7 @@ def test_nan_in_the_decider_is_caught_before_its_bce(tmp_path):
     with torch.no_grad():
         for p in model.halting.parameters():
             p.fill_(float("nan"))
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)]
-    ds, _ = format_sft_dataset(datasets.Dataset.from_list(rows))
+    ds = addition_rows(8)
     args = sft_config(tmp_path, max_steps=2)
     tr = RetrofitSFTTrainer(model, args, train_dataset=ds, processing_class=char_tokenizer())
     with pytest.raises(
