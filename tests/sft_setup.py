@@ -15,6 +15,10 @@ TINY_RUN = dict(
 )
 
 
+#: every step logged, seed 0, data loaded in process: the runs whose per-step losses a test reads
+LOGGED_RUN = dict(logging_steps=1, seed=0, dataloader_num_workers=0)
+
+
 def sft_config(output_dir, **kw):
     """``RetrofitSFTConfig(output_dir=str(output_dir), **TINY_RUN, **kw)``, ``kw`` overriding ``TINY_RUN``."""
     from retrofit.training import RetrofitSFTConfig

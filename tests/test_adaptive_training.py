@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from sft_setup import addition_rows, sft_config
+from sft_setup import LOGGED_RUN, addition_rows, sft_config
 
 import retrofit
 from retrofit.model.config import LoopConfig
@@ -257,9 +257,7 @@ def _trainer(tmp_path, model=None, callbacks=None, **kw):
         **{
             "max_steps": 6,
             "learning_rate": 3e-3,
-            "logging_steps": 1,
-            "seed": 0,
-            "dataloader_num_workers": 0,
+            **LOGGED_RUN,
             "lr_scheduler_type": "linear",
             **kw,
         },

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from sft_setup import addition_rows, sft_config
+from sft_setup import LOGGED_RUN, addition_rows, sft_config
 
 import retrofit
 from retrofit.hub import atomic_io as A
@@ -52,17 +52,8 @@ def make_trainer(out, max_steps=4, seed=0):
     torch.manual_seed(seed)
     model = retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=2, method="fixed"))
     ds = addition_rows(8)
-    args = sft_config(
-        out,
-        max_steps=max_steps,
-        learning_rate=3e-3,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=2,
-        seed=0,
-        dataloader_num_workers=0,
-        lr_scheduler_type="linear",
-    )
+    run = dict(max_steps=max_steps, learning_rate=3e-3, lr_scheduler_type="linear", **LOGGED_RUN)
+    args = sft_config(out, save_strategy="steps", save_steps=2, **run)
     return RetrofitSFTTrainer(model, args, train_dataset=ds, processing_class=char_tokenizer())
 
 

@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file
-from sft_setup import addition_rows, sft_config
+from sft_setup import LOGGED_RUN, addition_rows, sft_config
 from transformers import TrainerCallback
 
 import retrofit
@@ -61,17 +61,8 @@ def trainer(tmp_path, method, save_steps, callbacks=(), max_steps=6):
     torch.manual_seed(0)
     model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=2, method=method, **loop))
     ds = addition_rows(8)
-    args = sft_config(
-        tmp_path,
-        max_steps=max_steps,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=save_steps,
-        seed=0,
-        dataloader_num_workers=0,
-        lr_scheduler_type="constant",
-    )
+    run = dict(max_steps=max_steps, learning_rate=1e-3, lr_scheduler_type="constant", **LOGGED_RUN)
+    args = sft_config(tmp_path, save_strategy="steps", save_steps=save_steps, **run)
     return RetrofitSFTTrainer(
         model, args, train_dataset=ds, processing_class=char_tokenizer(), callbacks=list(callbacks)
     )

@@ -11,7 +11,7 @@ import datasets
 import pytest
 import torch
 from references import direct_kl_to_prior, hand_decider_loss, next_token_ce
-from sft_setup import sft_config
+from sft_setup import LOGGED_RUN, sft_config
 from transformers import TrainerCallback
 
 import retrofit
@@ -62,8 +62,9 @@ def make_model(method="tah2", max_depth=2, seed=0, **loop):
 
 
 def make_args(tmp_path, **kw):
-    base = dict(max_steps=3, learning_rate=1e-3, logging_steps=1, seed=0, dataloader_num_workers=0)
-    return sft_config(tmp_path, **{**base, "lr_scheduler_type": "constant", **kw})
+    return sft_config(
+        tmp_path, **{"max_steps": 3, "learning_rate": 1e-3, **LOGGED_RUN, "lr_scheduler_type": "constant", **kw}
+    )
 
 
 def make_trainer(tmp_path, method="tah2", train=None, model=None, callbacks=None, eval_dataset=None, **kw):
