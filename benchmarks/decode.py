@@ -52,35 +52,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def build(args):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from retrofit.testing import benchmark_llama, fixed_and_mixed
 
-    from retrofit import LoopConfig, convert
-
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        pad_token_id=0,
-        bos_token_id=1,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg).eval()
-    fixed = convert(base, LoopConfig(max_depth=args.max_depth, method="fixed")).eval()
+    base = benchmark_llama(args)
     # a second looped model on the same weights whose tokens choose their depth: ANIRA-E with a random
     # decider gives every token a depth in 1..D from its embedding
-    mixed = convert(base, LoopConfig(max_depth=args.max_depth, method="anira-e")).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in mixed.halting.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * args.decider_scale)
+    fixed, mixed = fixed_and_mixed(base, args.decider_scale, max_depth=args.max_depth)
     return base, fixed, mixed
 
 

@@ -36,10 +36,8 @@ TASK_LEVELS = {"brevo": [3, 4, 5], "lano": [6, 7, 8], "mano": [1, 2]}
 
 
 def build_checkpoint(path: Path, steps: int, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from data_prep.tasks import build_dataset
-    from retrofit.testing import char_tokenizer
+    from retrofit.testing import char_tokenizer, seeded_llama
 
     tok = char_tokenizer()
     rows = []
@@ -51,7 +49,9 @@ def build_checkpoint(path: Path, steps: int, seed: int = 0):
         p = tok(r["prompt"])["input_ids"]
         a = tok(" " + r["answer"] + "\n", add_special_tokens=False)["input_ids"]
         seqs.append((p, a))
-    cfg = LlamaConfig(
+    model = seeded_llama(
+        seed,
+        None,
         vocab_size=len(tok),
         hidden_size=128,
         intermediate_size=256,
@@ -64,8 +64,6 @@ def build_checkpoint(path: Path, steps: int, seed: int = 0):
         eos_token_id=2,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.05)
     rng = random.Random(seed)

@@ -59,34 +59,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def build(args):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from retrofit.testing import benchmark_llama, fixed_and_mixed
 
-    from retrofit import LoopConfig, convert
-
-    cfg = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        pad_token_id=0,
-        bos_token_id=1,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg).eval()
+    base = benchmark_llama(args)
     loop = {"prelude": args.prelude, "core": args.core, "max_depth": args.max_depth}
-    fixed = convert(base, LoopConfig(method="fixed", **loop)).eval()
-    mixed = convert(base, LoopConfig(method="anira-e", **loop)).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in mixed.halting.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * args.decider_scale)
+    fixed, mixed = fixed_and_mixed(base, args.decider_scale, **loop)
     return base, fixed, mixed
 
 

@@ -61,14 +61,11 @@ def _status() -> dict[str, int]:
 def build(model_name: str, T: int):
     """The model of ``model_name`` (same base weights for every name), in train mode."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import retrofit
+    from retrofit.testing import seeded_llama
 
-    cfg = LlamaConfig(**SHAPES, max_position_embeddings=max(T, 64))
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = seeded_llama(0, **SHAPES, max_position_embeddings=max(T, 64))
     method = MODELS[model_name]
     if method is not None:
         model = retrofit.convert(model, retrofit.LoopConfig(**LOOP, method=method))

@@ -47,12 +47,9 @@ SMOLLM2_SHAPES = dict(REAL_SHAPES["HuggingFaceTB/SmolLM2-135M"][2], max_position
 
 def base_model(spec: str, layers: int | None):
     if spec == "smollm2-shape":
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from retrofit.testing import seeded_llama
 
-        cfg = LlamaConfig(**{**SMOLLM2_SHAPES, **({"num_hidden_layers": layers} if layers else {})})
-        cfg._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        return LlamaForCausalLM(cfg)
+        return seeded_llama(0, **{**SMOLLM2_SHAPES, **({"num_hidden_layers": layers} if layers else {})})
     from retrofit.hub.loading import load_model
 
     model, _ = load_model(spec)

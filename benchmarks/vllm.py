@@ -47,11 +47,13 @@ def build_checkpoint(folder: Path, method: str, args, base_folder: Path | None =
     """Random looped Llama with mixed exits, saved to ``folder`` (the plain base model to ``base_folder``
     when given); returns its loop summary."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import retrofit
+    from retrofit.testing import seeded_llama
 
-    cfg = LlamaConfig(
+    base = seeded_llama(
+        0,
+        None,
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=2 * args.hidden,
@@ -63,9 +65,7 @@ def build_checkpoint(folder: Path, method: str, args, base_folder: Path | None =
         eos_token_id=2,
         pad_token_id=0,
         bos_token_id=1,
-    )
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(cfg).eval()
+    ).eval()
     if base_folder is not None:
         base.generation_config.eos_token_id = None
         base.save_pretrained(base_folder)

@@ -80,6 +80,54 @@ def tiny_base(family: str = "llama", seed: int = 0, attn_implementation: str = "
     return model.eval()
 
 
+def seeded_llama(seed: int = 0, attn_implementation: str | None = "sdpa", **config) -> LlamaForCausalLM:
+    """A random ``LlamaForCausalLM(LlamaConfig(**config))`` drawn right after ``torch.manual_seed(seed)`` (the
+    global generator, so what runs next draws on from there), in train mode: the benchmarks' models.
+    ``attn_implementation=None`` leaves transformers' default."""
+    cfg = LlamaConfig(**config)
+    if attn_implementation is not None:
+        cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def benchmark_llama(args, seed: int = 0) -> LlamaForCausalLM:
+    """The decode and serve benchmarks' base model (``seeded_llama``, eval mode): the shape their flags give
+    (``args.vocab``, ``hidden``, ``intermediate``, ``layers``, ``heads``, ``kv_heads``), untied embeddings,
+    4,096 positions."""
+    return seeded_llama(
+        seed,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+    ).eval()
+
+
+def fixed_and_mixed(base, decider_scale: float, seed: int = 1, **loop):
+    """Two looped models on ``base``'s weights, in eval mode: ``fixed`` (every token at ``max_depth``) and
+    ``mixed``, ANIRA-E whose halting weights are redrawn from N(0, ``decider_scale``²) (generator seeded with
+    ``seed``), so a random decider gives every token a depth in 1..D from its embedding. ``loop``: the
+    ``LoopConfig`` fields besides the method (``max_depth``, ``prelude``, ``core``)."""
+    from .model.config import LoopConfig
+    from .model.convert import convert
+
+    fixed = convert(base, LoopConfig(method="fixed", **loop)).eval()
+    mixed = convert(base, LoopConfig(method="anira-e", **loop)).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in mixed.halting.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * decider_scale)
+    return fixed, mixed
+
+
 def decider_score_layer(model) -> torch.nn.Linear:
     """The output (score) layer of a looped model's TaH2 decider: ``score`` of the ``"swiglu"`` decider,
     ``fc2`` of the ``"ffn"`` one. Tests and benchmarks redraw it to get a mix of exit depths."""

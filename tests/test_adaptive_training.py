@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import json
 
-import datasets
 import pytest
 import torch
 import torch.nn.functional as F
+from sft_setup import LOGGED_RUN, addition_rows, sft_config
 
 import retrofit
 from retrofit.model.config import LoopConfig
 from retrofit.model.halting.training_free import RandomContinue, continue_rate_for_mean_depth
 from retrofit.model.heads import SwiGLUDecider
 from retrofit.testing import char_tokenizer, spread_decider, tiny_base
-from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
+from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer
 from retrofit.training.checkpointing import last_checkpoint
 
 
@@ -248,31 +248,23 @@ def test_depth_supervision_is_the_mean_of_every_depths_own_loss(method):
 # the trainer: phases by step, exact resume across the switch
 # ------------------------------------------------------------------------------------------------
 def _rows(n=48):
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)][:n]
-    return format_sft_dataset(datasets.Dataset.from_list(rows), chat=False)[0]
+    return addition_rows(8, n, chat=False)
 
 
 def _trainer(tmp_path, model=None, callbacks=None, **kw):
-    args = dict(
-        output_dir=str(tmp_path),
-        max_steps=6,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        activation_checkpointing=False,
-        use_cpu=True,
-        disable_tqdm=True,
-        max_length=32,
-        seed=0,
-        dataloader_num_workers=0,
-        lr_scheduler_type="linear",
+    args = sft_config(
+        tmp_path,
+        **{
+            "max_steps": 6,
+            "learning_rate": 3e-3,
+            **LOGGED_RUN,
+            "lr_scheduler_type": "linear",
+            **kw,
+        },
     )
-    args.update(kw)
     model = model if model is not None else _model(max_depth=2)
     return RetrofitSFTTrainer(
-        model, RetrofitSFTConfig(**args), train_dataset=_rows(), processing_class=char_tokenizer(), callbacks=callbacks
+        model, args, train_dataset=_rows(), processing_class=char_tokenizer(), callbacks=callbacks
     )
 
 

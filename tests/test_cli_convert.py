@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import retrofit
 from retrofit.cli import main
-from retrofit.cli.convert import IdentityCheckError, _gguf_provenance, check_identity
+from retrofit.cli.convert import IdentityCheckError, _gguf_provenance
 from retrofit.testing import char_tokenizer, tiny_base
+from retrofit.training.model_setup import identity_check
 
 IDS = torch.randint(4, 104, (2, 11), generator=torch.Generator().manual_seed(0))
 
@@ -150,9 +151,11 @@ def test_refuses_non_empty_out_and_looped_input(tmp_path, capsys):
 
 def test_identity_check_catches_a_mismatch():
     looped = retrofit.convert(tiny_base("llama", seed=1), retrofit.LoopConfig(prelude=1, core=3, max_depth=2))
-    assert check_identity(tiny_base("llama", seed=1), looped, 104) == 0.0
+    assert identity_check(looped, tiny_base("llama", seed=1), atol=1e-4) == 0.0
+    assert identity_check(looped, tiny_base("llama", seed=1), char_tokenizer()) == 0.0  # the recipes' probe
+    assert identity_check(looped, tiny_base("llama", seed=0)) > 1e-4  # no atol: only the number
     with pytest.raises(IdentityCheckError, match="differ from the base"):
-        check_identity(tiny_base("llama", seed=0), looped, 104)
+        identity_check(looped, tiny_base("llama", seed=0), atol=1e-4)
 
 
 def test_gguf_provenance_of_the_embedded_smollm2():

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import copy
 
-import datasets
 import pytest
 import torch
+from sft_setup import addition_rows, sft_config
 from transformers import LlamaForCausalLM
 
 from retrofit.model.config import LoopConfig
@@ -19,7 +19,7 @@ from retrofit.model.convert import base_model_of, convert
 from retrofit.model.modeling import LoopedForCausalLM
 from retrofit.recipe import LoopArgs, train_and_save
 from retrofit.testing import char_tokenizer, tiny_base
-from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
+from retrofit.training import RetrofitSFTTrainer
 
 
 @pytest.fixture()
@@ -37,26 +37,13 @@ def seen_batches(monkeypatch):
 
 
 def _rows(n=24):
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)][:n]
-    return format_sft_dataset(datasets.Dataset.from_list(rows), chat=False)[0]
+    return addition_rows(6, n, chat=False)
 
 
 def _args(out, **kw):
-    return RetrofitSFTConfig(
-        output_dir=str(out),
-        max_steps=3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        max_length=32,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        use_cpu=True,
-        seed=7,
-        **kw,
-    )
+    # activation_checkpointing=None: TRL's default (on)
+    kw = {"max_steps": 3, "learning_rate": 1e-3, "logging_steps": 1, "dataloader_num_workers": 0, "seed": 7, **kw}
+    return sft_config(out, activation_checkpointing=None, **kw)
 
 
 @pytest.mark.parametrize("control", ["sft", "fixed"])

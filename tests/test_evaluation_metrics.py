@@ -31,6 +31,7 @@ from retrofit.evaluation.plots import (
     plot_loss_change_histogram,
 )
 from retrofit.evaluation.report import summary_table, write_json, write_markdown_report
+from retrofit.hub.atomic_io import write_json_atomic
 
 # ----------------------------------------------------------------------------------------------
 # spearman
@@ -383,7 +384,7 @@ def test_markdown_report_tables_and_missing_sections(tmp_path):
     assert table.row_count == 4
 
 
-def test_write_json_converts_and_is_atomic(tmp_path):
+def test_strict_json_writer_converts_and_is_atomic(tmp_path):
     path = tmp_path / "out.json"
     obj = {
         "np_float": np.float32(0.5),
@@ -397,7 +398,7 @@ def test_write_json_converts_and_is_atomic(tmp_path):
         np.int64(4): "int key",
         "tuple": (1, 2),
     }
-    write_json(obj, path)
+    write_json_atomic(path, obj, strict=True)
     back = json.loads(_read(path))
     assert back == {
         "np_float": 0.5,
@@ -413,6 +414,9 @@ def test_write_json_converts_and_is_atomic(tmp_path):
     }
     before = path.read_bytes()
     with pytest.raises(TypeError, match=r"object at \$\.models\.bad"):
-        write_json({"models": {"bad": object()}}, path)
+        write_json_atomic(path, {"models": {"bad": object()}}, strict=True)
     assert path.read_bytes() == before  # old file intact
     assert sorted(os.listdir(tmp_path)) == ["out.json"]  # no temp file left behind
+    # the old name, with its argument order, writes the same bytes
+    assert write_json(obj, tmp_path / "old.json") == str(tmp_path / "old.json")
+    assert (tmp_path / "old.json").read_bytes() == before

@@ -444,7 +444,7 @@ def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
     the fixed-control comparison and every target; the plot is in report/; the summary prints the tables."""
     from retrofit.evaluation.rows import task_rows
     from retrofit.recipe.controls import TrainedControl
-    from retrofit.recipe.main_job import check_targets, main_job_report
+    from retrofit.recipe.main_job import ReportInputs, check_targets, main_job_report
     from retrofit.testing import tiny_base
 
     looped = _looped(max_depth=2, prelude=2, core=2)
@@ -456,7 +456,20 @@ def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
         "sft": TrainedControl("sft", tiny_base("llama", seed=5), tmp_path / "c-sft", []),
         "fixed": TrainedControl("fixed", fixed, tmp_path / "c-fixed", []),
     }
-    summary = main_job_report(looped, tok, tiny_base("llama", seed=7), controls, tmp_path, script, splits, 0.0, 0.0, {})
+    summary = main_job_report(
+        ReportInputs(
+            looped=looped,
+            tokenizer=tok,
+            pristine=tiny_base("llama", seed=7),
+            controls=controls,
+            out=tmp_path,
+            script=script,
+            splits=splits,
+            identity_err=0.0,
+            t_start=0.0,
+            timings={},
+        )
+    )
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     for key in (
         "frontier",

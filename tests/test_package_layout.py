@@ -65,8 +65,6 @@ MAX_LINES = 450
 #: modules still over MAX_LINES (their size then): a ratchet; none may grow, and none may join the list.
 #: Splitting one removes it from here.
 TOO_LONG = {
-    "retrofit.evaluation.task_eval": 533,
-    "retrofit.lm_eval.model": 566,
     "retrofit.vllm_plugin.model": 530,
 }
 
@@ -156,8 +154,8 @@ def _unit_graph() -> dict[str, set[str]]:
 def test_the_walk_sees_local_and_relative_imports():
     # recipe/run.py imports the main-job report inside run_recipe, relative to its package
     assert "retrofit.recipe.main_job" in GRAPH["retrofit.recipe.run"]
-    # evaluation/jsonio.py imports the atomic writer inside a function, two levels up
-    assert "retrofit.hub.atomic_io" in GRAPH["retrofit.evaluation.jsonio"]
+    # recipe/run.py imports the atomic writer inside a function, two levels up
+    assert "retrofit.hub.atomic_io" in GRAPH["retrofit.recipe.run"]
     # `from .. import __version__` is an import of the package root; `from . import main` of the package itself
     assert "retrofit" in GRAPH["retrofit.hub.bundle"]
     assert "retrofit.cli" in GRAPH["retrofit.cli.__main__"]

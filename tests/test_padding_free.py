@@ -10,11 +10,12 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
+from sft_setup import sft_config
 
 from retrofit.model.config import LoopConfig
 from retrofit.model.convert import convert
 from retrofit.testing import char_tokenizer, spread_decider, tiny_base
-from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
+from retrofit.training import RetrofitSFTTrainer, format_sft_dataset
 
 
 def _rows():
@@ -37,15 +38,12 @@ def _model(loop: dict):
 
 def _first_batch_loss(tmp_path, loop, padding_free):
     model = _model(loop)
-    args = RetrofitSFTConfig(
-        output_dir=str(tmp_path / f"pf{padding_free}"),
+    args = sft_config(
+        tmp_path / f"pf{padding_free}",
         max_steps=1,
         per_device_train_batch_size=6,
-        report_to="none",
-        save_strategy="no",
         max_length=48,
-        disable_tqdm=True,
-        use_cpu=True,
+        activation_checkpointing=None,  # TRL's default (on)
         seed=11,
         padding_free=padding_free,
     )

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import PeftModel
+from sft_setup import addition_rows, sft_config
 
 import retrofit
 from retrofit.testing import char_tokenizer, spread_decider, tiny_base
-from retrofit.training import LORA_TARGETS, RetrofitSFTConfig, RetrofitSFTTrainer, apply_lora, format_sft_dataset
+from retrofit.training import LORA_TARGETS, RetrofitSFTConfig, RetrofitSFTTrainer, apply_lora
 from retrofit.training.checkpointing import assert_safetensors_only
 
 
@@ -114,24 +115,11 @@ def test_adapter_save_reload_and_merge_give_identical_logits(tmp_path, method):
 
 
 def test_lora_through_the_trainer_saves_adapter_checkpoints(tmp_path):
-    import datasets
 
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)]
-    ds, _ = format_sft_dataset(datasets.Dataset.from_list(rows))
+    ds = addition_rows(6)
     model = apply_lora(looped(), r=4, alpha=8)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = RetrofitSFTConfig(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        save_steps=2,
-        report_to="none",
-        use_cpu=True,
-        activation_checkpointing=False,
-        disable_tqdm=True,
-        max_length=32,
-    )
+    args = sft_config(tmp_path, max_steps=2, learning_rate=1e-2, save_strategy="steps", save_steps=2)
     tr = RetrofitSFTTrainer(model, args, train_dataset=ds, processing_class=char_tokenizer())
     tr.train()
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}

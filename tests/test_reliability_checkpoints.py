@@ -19,15 +19,15 @@ import textwrap
 import time
 from pathlib import Path
 
-import datasets
 import pytest
 import torch
 from safetensors.torch import save_file
+from sft_setup import LOGGED_RUN, addition_rows, sft_config
 
 import retrofit
 from retrofit.hub import atomic_io as A
 from retrofit.testing import char_tokenizer, tiny_base
-from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer, format_sft_dataset
+from retrofit.training import RetrofitSFTTrainer
 from retrofit.training.checkpointing import (
     InvalidCheckpointError,
     atomic_dir,
@@ -51,25 +51,9 @@ def _one_thread():
 def make_trainer(out, max_steps=4, seed=0):
     torch.manual_seed(seed)
     model = retrofit.convert(tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=2, method="fixed"))
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)]
-    ds, _ = format_sft_dataset(datasets.Dataset.from_list(rows))
-    args = RetrofitSFTConfig(
-        output_dir=str(out),
-        max_steps=max_steps,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=2,
-        report_to="none",
-        activation_checkpointing=False,
-        use_cpu=True,
-        disable_tqdm=True,
-        max_length=32,
-        seed=0,
-        dataloader_num_workers=0,
-        lr_scheduler_type="linear",
-    )
+    ds = addition_rows(8)
+    run = dict(max_steps=max_steps, learning_rate=3e-3, lr_scheduler_type="linear", **LOGGED_RUN)
+    args = sft_config(out, save_strategy="steps", save_steps=2, **run)
     return RetrofitSFTTrainer(model, args, train_dataset=ds, processing_class=char_tokenizer())
 
 

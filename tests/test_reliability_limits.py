@@ -14,6 +14,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from sft_setup import sft_config
 
 import retrofit
 from retrofit import LoopConfig, LoopConfigError
@@ -148,7 +149,6 @@ def test_bench_never_runs_the_working_directorys_benchmarks(tmp_path, monkeypatc
 def test_eval_strategy_without_an_eval_set_turns_evaluation_off(tmp_path, caplog):
     from retrofit.training import (
         BadDataError,
-        RetrofitSFTConfig,
         RetrofitSFTTrainer,
         format_sft_dataset,
     )
@@ -158,33 +158,21 @@ def test_eval_strategy_without_an_eval_set_turns_evaluation_off(tmp_path, caplog
         datasets.Dataset.from_list([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)])
     )
     model = retrofit.convert(tiny_base("llama"), LoopConfig(max_depth=2, method="fixed"))
-    kw = dict(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        activation_checkpointing=False,
-        max_length=32,
-        eval_strategy="steps",
-        eval_steps=1,
-    )
-    tr = RetrofitSFTTrainer(model, RetrofitSFTConfig(**kw), train_dataset=ds, processing_class=char_tokenizer())
+    kw = dict(max_steps=2, eval_strategy="steps", eval_steps=1)
+    tr = RetrofitSFTTrainer(model, sft_config(tmp_path, **kw), train_dataset=ds, processing_class=char_tokenizer())
     assert "turning off periodic evaluation" in caplog.text
     tr.train()
     assert tr.state.global_step == 2 and not any("eval_loss" in h for h in tr.state.log_history)
     with pytest.raises(BadDataError, match="load_best_model_at_end needs an evaluation set"):
         RetrofitSFTTrainer(
             model,
-            RetrofitSFTConfig(
-                **{
-                    **kw,
-                    "load_best_model_at_end": True,
-                    "save_strategy": "steps",
-                    "save_steps": 1,
-                    "metric_for_best_model": "loss",
-                }
+            sft_config(
+                tmp_path,
+                **kw,
+                load_best_model_at_end=True,
+                save_strategy="steps",
+                save_steps=1,
+                metric_for_best_model="loss",
             ),
             train_dataset=ds,
             processing_class=char_tokenizer(),

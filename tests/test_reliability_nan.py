@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import re
 
-import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
+from sft_setup import LOGGED_RUN, addition_rows, sft_config
 from transformers import TrainerCallback
 
 import retrofit
 from retrofit.testing import char_tokenizer, tiny_base
 from retrofit.training import (
     NonFiniteLossError,
-    RetrofitSFTConfig,
     RetrofitSFTTrainer,
-    format_sft_dataset,
 )
 from retrofit.training.checkpointing import (
     last_finite_checkpoint,
@@ -62,25 +60,9 @@ def trainer(tmp_path, method, save_steps, callbacks=(), max_steps=6):
     loop = {"prelude": 1, "core": 4} if method.startswith("anira") else {}
     torch.manual_seed(0)
     model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=2, method=method, **loop))
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)]
-    ds, _ = format_sft_dataset(datasets.Dataset.from_list(rows))
-    args = RetrofitSFTConfig(
-        output_dir=str(tmp_path),
-        max_steps=max_steps,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=save_steps,
-        report_to="none",
-        activation_checkpointing=False,
-        use_cpu=True,
-        disable_tqdm=True,
-        max_length=32,
-        seed=0,
-        dataloader_num_workers=0,
-        lr_scheduler_type="constant",
-    )
+    ds = addition_rows(8)
+    run = dict(max_steps=max_steps, learning_rate=1e-3, lr_scheduler_type="constant", **LOGGED_RUN)
+    args = sft_config(tmp_path, save_strategy="steps", save_steps=save_steps, **run)
     return RetrofitSFTTrainer(
         model, args, train_dataset=ds, processing_class=char_tokenizer(), callbacks=list(callbacks)
     )
@@ -127,18 +109,8 @@ def test_nan_in_the_decider_is_caught_before_its_bce(tmp_path):
     with torch.no_grad():
         for p in model.halting.parameters():
             p.fill_(float("nan"))
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)]
-    ds, _ = format_sft_dataset(datasets.Dataset.from_list(rows))
-    args = RetrofitSFTConfig(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        report_to="none",
-        save_strategy="no",
-        activation_checkpointing=False,
-        use_cpu=True,
-        max_length=32,
-    )
+    ds = addition_rows(8)
+    args = sft_config(tmp_path, max_steps=2)
     tr = RetrofitSFTTrainer(model, args, train_dataset=ds, processing_class=char_tokenizer())
     with pytest.raises(
         NonFiniteLossError, match=r"step 1\b.*non-finite halting signals.*parameters are already non-finite"

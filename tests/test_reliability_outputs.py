@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sft_setup import sft_config
 
 import retrofit
 from retrofit.cli import main
@@ -219,7 +220,6 @@ def test_training_output_dir_may_not_contain_the_model_folder(tmp_path):
     import datasets
 
     from retrofit.training import (
-        RetrofitSFTConfig,
         RetrofitSFTTrainer,
         format_sft_dataset,
     )
@@ -233,16 +233,7 @@ def test_training_output_dir_may_not_contain_the_model_folder(tmp_path):
     model, tok = load_model(str(src))
     ds, _ = format_sft_dataset(datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}] * 8))
     for out in (tmp_path / "models", src, src / "run"):
-        args = RetrofitSFTConfig(
-            output_dir=str(out),
-            max_steps=1,
-            per_device_train_batch_size=4,
-            report_to="none",
-            use_cpu=True,
-            save_strategy="no",
-            activation_checkpointing=False,
-            max_length=32,
-        )
+        args = sft_config(out, max_steps=1)
         tr = RetrofitSFTTrainer(model, args, train_dataset=ds, processing_class=tok)
         with pytest.raises(OutputTargetError, match="--output_dir .* the model folder"):
             tr.train()

@@ -11,6 +11,7 @@ import datasets
 import pytest
 import torch
 from references import direct_kl_to_prior, hand_decider_loss, next_token_ce
+from sft_setup import LOGGED_RUN, sft_config
 from transformers import TrainerCallback
 
 import retrofit
@@ -61,24 +62,9 @@ def make_model(method="tah2", max_depth=2, seed=0, **loop):
 
 
 def make_args(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        activation_checkpointing=False,
-        use_cpu=True,
-        disable_tqdm=True,
-        max_length=32,
-        seed=0,
-        dataloader_num_workers=0,
-        lr_scheduler_type="constant",
+    return sft_config(
+        tmp_path, **{"max_steps": 3, "learning_rate": 1e-3, **LOGGED_RUN, "lr_scheduler_type": "constant", **kw}
     )
-    base.update(kw)
-    return RetrofitSFTConfig(**base)
 
 
 def make_trainer(tmp_path, method="tah2", train=None, model=None, callbacks=None, eval_dataset=None, **kw):

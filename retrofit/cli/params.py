@@ -112,9 +112,7 @@ def run(args) -> int:
     rows = []
     for name in args.models:
         for method in args.methods:
-            r = meta_report(
-                name, LoopConfig(prelude=args.prelude, core=args.core, max_depth=args.max_depth, method=method)
-            )
+            r = meta_report(name, LoopConfig.from_fields(args, method=method))
             rows.append({"model": name, "method": method, **r})
     print(json.dumps(rows, indent=2))
     return 0

@@ -30,6 +30,7 @@ def write_artifacts(results: Mapping[str, Any], out_dir: str | os.PathLike) -> d
     Returns:
         ``{artifact: path}``.
     """
+    from ..hub.atomic_io import write_json_atomic
     from .html import write_depth_html
     from .plots import (
         plot_accuracy_vs_compute,
@@ -39,11 +40,11 @@ def write_artifacts(results: Mapping[str, Any], out_dir: str | os.PathLike) -> d
         plot_depth_vs_difficulty,
         plot_loss_change_histogram,
     )
-    from .report import write_json, write_markdown_report
+    from .report import write_markdown_report
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths: dict[str, str] = {"results": write_json(results, out / "results.json")}
+    paths: dict[str, str] = {"results": str(write_json_atomic(out / "results.json", results, strict=True))}
     plots: dict[str, str] = {}
     models = results.get("models", {})
     task_names = list(dict.fromkeys(t for m in models.values() for t in m.get("tasks", {})))

@@ -19,7 +19,7 @@ from . import analysis as A
 from .options import ACCURACY_MODES, DEFAULT_BATCH_SIZE, DEFAULT_N, GENERATION_BACKENDS, STRUCTURE_STRINGS, EvalOptions
 from .runner import as_list, evaluate
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "add_row_arguments", "run"]
 
 
 def _int_list(text: str) -> list[int]:
@@ -59,6 +59,30 @@ def _levels_arg(values: list[str] | None, what: str):
     return per if per else common
 
 
+def add_row_arguments(parser: argparse.ArgumentParser, default_tasks: str) -> None:
+    """Which rows: ``--tasks``, ``--levels``, ``--n``, ``--seed`` (``retrofit eval`` and ``retrofit lm-eval
+    write-tasks`` take the same; ``--levels`` is read by :func:`_levels_arg`)."""
+    parser.add_argument(
+        "--tasks",
+        "--task",
+        dest="tasks",
+        action="append",
+        default=None,
+        help=f"data_prep task key(s), repeatable or comma-separated (default: {default_tasks})",
+    )
+    parser.add_argument(
+        "--levels",
+        action="append",
+        default=None,
+        help="difficulty levels, e.g. '3,4,8-12' for every task or 'mano=3,4' per task (repeatable); "
+        "default: each task's train + held-out levels",
+    )
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help=f"rows per level (default {DEFAULT_N})")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="data seed (evaluation rows use a stream derived from it; default 0)"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``retrofit eval``."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -77,23 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="checkpoint: a folder (looped or base), a .gguf, 'smollm2', 'tiny-llama', 'tiny-qwen3' or a hub id",
     )
-    parser.add_argument(
-        "--task",
-        "--tasks",
-        dest="tasks",
-        action="append",
-        default=None,
-        help="task key(s), repeatable or comma-separated (default: mano)",
-    )
-    parser.add_argument(
-        "--levels",
-        action="append",
-        default=None,
-        help="difficulty levels, e.g. '3,4,8-12' for every task or 'mano=3,4' per task (repeatable); "
-        "default: the task's train + held-out levels",
-    )
-    parser.add_argument("--n", type=int, default=DEFAULT_N, help=f"examples per level (default {DEFAULT_N})")
-    parser.add_argument("--seed", type=int, default=0, help="data seed (eval rows use a stream derived from it)")
+    add_row_arguments(parser, default_tasks="mano")
     parser.add_argument(
         "--limit",
         type=int,

@@ -363,7 +363,7 @@ def fixed_control_comparison(
 ) -> dict[str, Any]:
     """The adaptive model (its own decider) against the ``fixed`` control (every token at its depth ``M``).
 
-    On all rows: the paired test (``by_split``: :func:`~.task_eval.paired_by_split` of the two), the
+    On all rows: the paired test (``by_split``: :func:`~.task_entries.paired_by_split` of the two), the
     FLOPs-per-answer-token ratio adaptive / fixed, and whether the issue's target holds — bootstrap 95%
     lower bound of adaptive − fixed above ``−NOT_WORSE_MARGIN`` at no more than ``FLOPS_RATIO_MAX`` of the
     fixed control's FLOPs. On the frontier rows: the same check for every point of the decider's threshold

@@ -3,8 +3,8 @@
 Everything here is a pure function of arrays: no model, no I/O. Inputs may be Python
 sequences, NumPy arrays or torch tensors (detached and moved to CPU internally); outputs are
 Python floats/ints, lists and dicts so that they serialize to JSON directly (see
-:func:`retrofit.evaluation.report.write_json`). Only NumPy is needed; SciPy is used in the tests
-as an independent reference, never here.
+:func:`retrofit.hub.atomic_io.write_json_atomic`, ``strict=True``). Only NumPy is needed; SciPy is used in
+the tests as an independent reference, never here.
 
 Conventions:
     * Depths are **1-based**: a token that exits after the first core iteration has depth 1,

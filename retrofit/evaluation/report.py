@@ -75,7 +75,8 @@ strings are sorted numerically). Accuracies are fractions in [0, 1] (shown as pe
     }
 
 Functions:
-    write_json              Atomic JSON writer that understands NumPy / torch values (:mod:`.jsonio`).
+    write_json              ``write_json(obj, path)``: the old name of
+                            ``retrofit.hub.atomic_io.write_json_atomic(path, obj, strict=True)``.
     write_markdown_report   The human-readable report with tables and embedded plots.
     summary_table           A ``rich`` table of accuracy and depth per model, task and level.
 """
@@ -87,7 +88,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .jsonio import atomic_write_text, to_jsonable, write_json
+from ..hub.atomic_io import write_text_atomic
+from .jsonio import to_jsonable, write_json
 from .report_format import (
     _fmt,
     _get,
@@ -183,7 +185,7 @@ def write_markdown_report(
                 p = os.path.relpath(os.path.abspath(p), report_dir)
             p = p.replace(os.sep, "/")
             lines += [f"### {caption}", "", f"![{caption}]({p.replace(' ', '%20')})", ""]
-    return atomic_write_text("\n".join(lines).rstrip() + "\n", path)
+    return str(write_text_atomic(path, "\n".join(lines).rstrip() + "\n"))
 
 
 # ----------------------------------------------------------------------------------------------

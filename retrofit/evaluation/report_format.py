@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .jsonio import _is_numpy, _is_tensor
+from ..hub.atomic_io import _is_numpy, _is_tensor
 
 
 def _num(v: Any) -> float | None:

@@ -36,7 +36,8 @@ from .models import model_info
 from .options import DEFAULT_N, EvalOptions, resolve_options
 from .rows import levels_for, split_of, task_rows
 from .stats import rows_needed
-from .task_eval import TaskArrays, evaluate_task, evaluate_task_arrays, paired_by_split
+from .task_entries import paired_by_split
+from .task_eval import TaskArrays, evaluate_task, evaluate_task_arrays
 from .token_difficulty import depth_vs_token_difficulty
 
 __all__ = [

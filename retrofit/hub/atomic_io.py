@@ -10,17 +10,22 @@ reached the disk before its contents. Small files (JSON) go through ``write_json
 folder. ``read_json`` names a truncated or malformed file (``InvalidCheckpointError``).
 
 The project's one atomic writer: checkpoints (``retrofit.training.checkpointing``), exports
-(``retrofit.hub.export``) and evaluation reports (``retrofit.evaluation.jsonio``) all write through it.
+(``retrofit.hub.export``) and evaluation reports (``retrofit.evaluation``) all write through it;
+``write_json_atomic(path, obj, strict=True)`` writes strict JSON of NumPy / torch values (``to_jsonable``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import json
+import math
 import os
 import shutil
 import uuid
-from pathlib import Path
+from collections.abc import Mapping
+from pathlib import Path, PurePath
 from typing import Any
 
 from ..model.errors import RetrofitUserError
@@ -151,14 +156,88 @@ def write_text_atomic(path: str | os.PathLike, text: str, encoding: str = "utf-8
     return write_bytes_atomic(path, text.encode(encoding))
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 2, **dumps_kw) -> Path:
-    """Serialize ``obj`` as JSON (then a newline) and write it atomically (``write_bytes_atomic``).
+def write_json_atomic(
+    path: str | os.PathLike, obj: Any, indent: int | None = 2, *, strict: bool = False, **dumps_kw
+) -> Path:
+    """Serialize ``obj`` as JSON (then a newline) and write it atomically (``write_bytes_atomic``): the
+    project's one JSON writer.
 
     ``dumps_kw`` go to ``json.dumps`` (e.g. ``default=str``, ``sort_keys=True``). The text is built
     completely before anything touches the disk, so a value that cannot be serialized leaves the
     old file as it was.
+
+    ``strict=True`` (evaluation results): NumPy / torch values, dataclasses, enums and paths are converted
+    (``to_jsonable``), NaN and ±inf become ``null`` and non-ASCII text stays as it is; the output is
+    strict JSON (a ``TypeError`` names the location of a value that cannot be converted).
     """
+    if strict:
+        obj = to_jsonable(obj)
+        dumps_kw = {"allow_nan": False, "ensure_ascii": False, **dumps_kw}
     return write_text_atomic(path, json.dumps(obj, indent=indent, **dumps_kw) + "\n")
+
+
+def _is_tensor(o: Any) -> bool:
+    return type(o).__module__.startswith("torch") and hasattr(o, "detach") and hasattr(o, "tolist")
+
+
+def _is_numpy(o: Any) -> bool:
+    return type(o).__module__.startswith("numpy")
+
+
+def _json_key(k: Any, loc: str) -> str:
+    if _is_numpy(k) or _is_tensor(k):
+        k = k.item()
+    if isinstance(k, str):
+        return k
+    if isinstance(k, bool):
+        return "true" if k else "false"
+    if isinstance(k, (int, float)):
+        return str(k)
+    if k is None:
+        return "null"
+    raise TypeError(f"strict JSON: dict key {k!r} of type {type(k).__name__} at {loc} is not a JSON key")
+
+
+def to_jsonable(obj: Any, _loc: str = "$") -> Any:
+    """Convert ``obj`` into plain JSON-compatible Python values.
+
+    Handles dicts (keys stringified like ``json`` does), lists/tuples/sets, NumPy arrays and
+    scalars, torch tensors (any device/dtype, via ``.tolist()``), dataclasses, enums and paths.
+    Non-finite floats (NaN, ±inf) become ``None`` (JSON ``null``): strict JSON has no NaN.
+
+    Raises:
+        TypeError: naming the type and the location (``$.models.x.tasks``) of the first value
+            that cannot be converted.
+    """
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return float(obj) if math.isfinite(obj) else None
+    if _is_tensor(obj):
+        obj = obj.detach().cpu()
+        return to_jsonable(obj.item() if obj.dim() == 0 else obj.tolist(), _loc)
+    if _is_numpy(obj) and hasattr(obj, "tolist"):
+        return to_jsonable(obj.tolist(), _loc)
+    if isinstance(obj, Mapping):
+        return {_json_key(k, _loc): to_jsonable(v, f"{_loc}.{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v, f"{_loc}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, (set, frozenset)):
+        items = list(obj)
+        try:
+            items.sort()
+        except TypeError:
+            items.sort(key=repr)
+        return [to_jsonable(v, f"{_loc}[{i}]") for i, v in enumerate(items)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return to_jsonable(dataclasses.asdict(obj), _loc)
+    if isinstance(obj, enum.Enum):
+        return to_jsonable(obj.value, _loc)
+    if isinstance(obj, PurePath):
+        return str(obj)
+    raise TypeError(f"strict JSON: object of type {type(obj).__name__} at {_loc} is not JSON serializable")
 
 
 def read_json(path: str | os.PathLike) -> Any:

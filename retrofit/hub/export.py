@@ -42,19 +42,11 @@ from huggingface_hub import HfApi
 
 from ..model.errors import RetrofitUserError
 from .bundle import ENTRY, PACKAGE, BundleError, bundle_modules, flat_name, write_remote_code  # noqa: F401
+from .loading import has_tokenizer
 from .output_paths import MARKER, OutputTargetError, check_output_folder, write_marker
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "special_tokens_map.json",
-    "vocab.txt",
-)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 
@@ -90,10 +82,6 @@ def resolve_checkpoint(ckpt: str | Path) -> Path:
     raise ExportError(f"{ckpt} is not a checkpoint folder: it has no config.json (nor checkpoint-N/config.json)")
 
 
-def _has_tokenizer(folder: Path) -> bool:
-    return any((folder / f).is_file() for f in TOKENIZER_FILES)
-
-
 def load_checkpoint(ckpt: str | Path, tokenizer: str | Path | None = None, *, folder: Path | None = None):
     """Load a looped checkpoint folder -> ``(model, tokenizer or None, folder)``.
 
@@ -123,7 +111,7 @@ def load_checkpoint(ckpt: str | Path, tokenizer: str | Path | None = None, *, fo
     tok_src = (
         tokenizer
         if tokenizer is not None
-        else (folder if _has_tokenizer(folder) else (Path(ckpt) if _has_tokenizer(Path(ckpt)) else None))
+        else (folder if has_tokenizer(folder) else (Path(ckpt) if has_tokenizer(Path(ckpt)) else None))
     )
     tok = load_tokenizer(str(tok_src)) if tok_src is not None else None
     return model.eval(), tok, folder

@@ -135,8 +135,7 @@ def format_report(report: dict) -> str:
 def write_tasks_main(argv: Sequence[str]) -> int:
     """``retrofit lm-eval write-tasks``: write a local task folder and print the command that runs it."""
     from data_prep.common import ANSWER_SEP
-    from retrofit.evaluation.cli import _levels_arg
-    from retrofit.evaluation.options import DEFAULT_N
+    from retrofit.evaluation.cli import _levels_arg, add_row_arguments
 
     from .tasks import DEFAULT_TASKS, write_tasks
 
@@ -146,23 +145,7 @@ def write_tasks_main(argv: Sequence[str]) -> int:
         "tasks; data generated offline by data_prep, scored by the data_prep task's scorer (as retrofit eval).",
     )
     p.add_argument("--out", required=True, help="output folder (pass it to lm-eval as --include_path)")
-    p.add_argument(
-        "--tasks",
-        "--task",
-        dest="tasks",
-        action="append",
-        default=None,
-        help=f"data_prep task keys, comma-separated or repeated (default: {','.join(DEFAULT_TASKS)})",
-    )
-    p.add_argument(
-        "--levels",
-        action="append",
-        default=None,
-        help="levels as retrofit eval takes them: '3,4,8-12' for every task or 'mano=3,4' per task "
-        "(repeatable); default: each task's train + held-out levels",
-    )
-    p.add_argument("--n", type=int, default=DEFAULT_N, help=f"rows per level (default {DEFAULT_N}, as retrofit eval)")
-    p.add_argument("--seed", type=int, default=0, help="data seed, as retrofit eval --seed (default 0)")
+    add_row_arguments(p, default_tasks=",".join(DEFAULT_TASKS))  # as retrofit eval takes them
     p.add_argument(
         "--max-gen-toks",
         type=int,

@@ -29,28 +29,17 @@ Requests, as ``retrofit eval`` runs them (:mod:`retrofit.evaluation`):
   ``until: ["\\n"]`` this is ``retrofit eval``'s stop rule, so both give the same text before the
   newline.
 
-Depth and compute (:class:`DepthMeter`), per task, over the tokens the model actually ran:
-
-* ``answer_tokens``: the positions that produced a scored continuation token (``loglikelihood``) or
-  a generated token (``generate_until``, up to and including the stop token) — the depth that
-  produced the token, ``retrofit eval``'s ``gen_mean_depth`` for generation tasks.
-* ``all_tokens``: every position run once: context and answer (left padding, and positions after a
-  row stopped, excluded).
-
-For each: ``n_tokens``, ``mean_depth`` d̄, ``flops_per_token`` (matmul FLOPs, ``retrofit.model.flops``:
-decoder layers, updater, decider and LM head as the run uses them; attention scores left out),
-``layers_per_token`` and, for looped models, ``flops_vs_fixed`` (every token at depth D) and
-``flops_vs_base`` (the pretrained stack). They land in lm-eval's results JSON under
-``config.retrofit`` (lm-eval calls :meth:`RetrofitLM.get_model_info` after the run) and
-``retrofit lm-eval`` prints them after lm-eval's table. Requests answered from lm-eval's
-``--use_cache`` are not run, so they are not counted.
+Depth and compute per task (``answer_tokens``, ``all_tokens``: d̄, FLOPs per token, vs fixed and vs base) are
+counted by :class:`~.depth_meter.DepthMeter` (what is counted: :mod:`.depth_meter`); they land in lm-eval's
+results JSON under ``config.retrofit`` (lm-eval calls :meth:`RetrofitLM.get_model_info` after the run) and
+``retrofit lm-eval`` prints them after lm-eval's table.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,82 +54,19 @@ from retrofit.evaluation.decoding import stop_ids
 from retrofit.evaluation.models import forward, model_info, pad_id, pad_left
 from retrofit.evaluation.options import DEFAULT_BATCH_SIZE
 
+from .depth_meter import DepthMeter
+from .model_args import DTYPES, EXIT_POLICIES, check_batch_size, check_policy, load_tokenizer
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["EXIT_POLICIES", "DepthMeter", "RetrofitLM", "last_report"]
 
-#: Values of ``exit_policy``.
-EXIT_POLICIES = ("decider", "kl", "state", "depth")
-NO_TASK = "(no task)"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LAST_REPORT: dict[str, Any] | None = None
 
 
 def last_report() -> dict[str, Any] | None:
     """The depth/FLOPs report of the last :class:`RetrofitLM` whose ``get_model_info`` ran (None before)."""
     return _LAST_REPORT
-
-
-def plain_flops_per_token(model) -> float:
-    """Matmul FLOPs per token of a plain causal LM: every decoder layer and the LM head once (2 per multiply-add)."""
-    layers = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
-    return 2.0 * float(layers + model.get_output_embeddings().weight.numel())
-
-
-class DepthMeter:
-    """Exit depths of the tokens a :class:`RetrofitLM` ran, per task (module docstring).
-
-    Attributes:
-        answer: ``{task: [arrays of depths]}`` of the answer positions.
-        all: ``{task: [arrays of depths]}`` of every position run.
-        requests: ``{task: Counter(request type)}``.
-    """
-
-    def __init__(self):
-        self.answer: dict[str, list[np.ndarray]] = defaultdict(list)
-        self.all: dict[str, list[np.ndarray]] = defaultdict(list)
-        self.requests: dict[str, Counter] = defaultdict(Counter)
-
-    def add(self, task: str | None, request_type: str, answer_depths, all_depths) -> None:
-        """Record one request's ``[n]`` answer-position depths and ``[m]`` all-position depths."""
-        task = task or NO_TASK
-        self.answer[task].append(np.asarray(answer_depths, dtype=np.int64).reshape(-1))
-        self.all[task].append(np.asarray(all_depths, dtype=np.int64).reshape(-1))
-        self.requests[task][request_type] += 1
-
-    def tasks(self) -> list[str]:
-        return sorted(self.requests)
-
-    def depths(self, which: str, task: str | None = None) -> np.ndarray:
-        """Concatenated depths of ``which`` (``"answer"`` or ``"all"``) for one task (None = every task)."""
-        store = self.answer if which == "answer" else self.all
-        parts = [a for t in ([task] if task is not None else self.tasks()) for a in store.get(t, [])]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def _stats(model, info, depths: np.ndarray, readout: bool | None) -> dict[str, Any]:
-    """d̄ and FLOPs of tokens with exit ``depths`` ``[n]``."""
-    n = int(depths.size)
-    if n == 0:
-        return {"n_tokens": 0}
-    if not info.looped:
-        return {
-            "n_tokens": n,
-            "mean_depth": 1.0,
-            "flops_per_token": plain_flops_per_token(model),
-            "layers_per_token": float(info.n_layers),
-        }
-    from retrofit.model.flops import cost_report
-
-    rep = cost_report(model, torch.as_tensor(depths), readout=readout)
-    return {
-        "n_tokens": n,
-        "mean_depth": rep["mean_depth"],
-        "flops_per_token": rep["flops"] / n,
-        "layers_per_token": info.layers(rep["mean_depth"]),
-        "flops_vs_fixed": rep["flops_vs_fixed"],
-        "flops_vs_base": rep["flops_vs_base"],
-    }
 
 
 class RetrofitLM(TemplateLM):
@@ -178,21 +104,21 @@ class RetrofitLM(TemplateLM):
             logger.warning("device=%s but CUDA is not available: running on the CPU", device)
             device = "cpu"
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype is not None and dtype not in _DTYPES and dtype != "auto":
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or auto, got {dtype!r}")
-        torch_dtype = _DTYPES.get(dtype) if dtype not in (None, "auto") else None
+        if dtype is not None and dtype not in DTYPES and dtype != "auto":
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or auto, got {dtype!r}")
+        torch_dtype = DTYPES.get(dtype) if dtype not in (None, "auto") else None
         if isinstance(pretrained, str):
             from retrofit.hub.loading import load_model
 
             self.pretrained = pretrained
             model, tok = load_model(pretrained, dtype=torch_dtype)
             if tokenizer is not None:
-                tok = self._load_tokenizer(tokenizer)
+                tok = load_tokenizer(tokenizer)
         else:
             if tokenizer is None:
                 raise ValueError("pass tokenizer= with a model object as pretrained=")
             self.pretrained = type(pretrained).__name__
-            model, tok = pretrained, self._load_tokenizer(tokenizer)
+            model, tok = pretrained, load_tokenizer(tokenizer)
             if torch_dtype is not None:
                 model = model.to(torch_dtype)
         if tok.pad_token is None:
@@ -201,7 +127,9 @@ class RetrofitLM(TemplateLM):
         self.tokenizer = tok
         self._device = dev
         self.info = model_info(self.model)
-        self.exit_policy, self.threshold, self.depth = self._check_policy(exit_policy, threshold, depth)
+        self.exit_policy, self.threshold, self.depth = check_policy(
+            self.info, f"{self.pretrained} is a plain {type(self.model).__name__}", exit_policy, threshold, depth
+        )
         if step_schedule is not None:
             if not self.info.looped:
                 raise ValueError(f"step_schedule= needs a looped checkpoint; {self.pretrained} is a plain model")
@@ -209,7 +137,7 @@ class RetrofitLM(TemplateLM):
 
             build_step_schedule(step_schedule)  # raises with the allowed names
         self.step_schedule = step_schedule
-        self.batch_size = self._check_batch_size(batch_size)
+        self.batch_size = check_batch_size(batch_size)
         if max_length is not None and (
             isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2
         ):
@@ -221,57 +149,7 @@ class RetrofitLM(TemplateLM):
         self.meter = DepthMeter()
         self._chat = False  # set once lm-eval applies the chat template (then text carries the specials)
 
-    # --- arguments --------------------------------------------------------------------------------
-
-    @staticmethod
-    def _load_tokenizer(tokenizer):
-        if isinstance(tokenizer, str):
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(tokenizer)
-        return tokenizer
-
-    def _check_policy(self, exit_policy, threshold, depth) -> tuple[str, float | None, int | None]:
-        if exit_policy is None:
-            exit_policy = "depth" if depth is not None else "decider"
-        if exit_policy not in EXIT_POLICIES:
-            raise ValueError(f"exit_policy must be one of {', '.join(EXIT_POLICIES)}, got {exit_policy!r}")
-        if not self.info.looped and exit_policy != "decider":
-            raise ValueError(
-                f"exit_policy={exit_policy} needs a looped checkpoint; {self.pretrained} is a plain "
-                f"{type(self.model).__name__} (allowed: decider, which runs it at its one depth)"
-            )
-        if exit_policy in ("kl", "state"):
-            if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
-                raise ValueError(f"exit_policy={exit_policy} needs threshold=T with T > 0, got {threshold!r}")
-            if depth is not None:
-                raise ValueError(f"depth= goes with exit_policy=depth, not exit_policy={exit_policy}")
-            return exit_policy, float(threshold), None
-        if threshold is not None:
-            raise ValueError(f"threshold= goes with exit_policy=kl or state, not exit_policy={exit_policy}")
-        if exit_policy == "depth":
-            D = self.info.max_depth
-            if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= D:
-                raise ValueError(
-                    f"exit_policy=depth needs depth=K with K in 1..{D} (the model's max_depth), got {depth!r}"
-                )
-            return exit_policy, None, depth
-        if depth is not None:
-            raise ValueError("depth= goes with exit_policy=depth (or alone), not exit_policy=decider")
-        return exit_policy, None, None
-
-    @staticmethod
-    def _check_batch_size(batch_size) -> int:
-        if isinstance(batch_size, str) and batch_size.startswith("auto"):
-            logger.info("batch_size=%s: the retrofit model uses %d", batch_size, DEFAULT_BATCH_SIZE)
-            return DEFAULT_BATCH_SIZE
-        try:
-            value = int(batch_size)
-        except (TypeError, ValueError):
-            value = 0
-        if value < 1 or isinstance(batch_size, bool):
-            raise ValueError(f"batch_size must be a positive int or 'auto', got {batch_size!r}")
-        return value
+    # --- arguments (checked in .model_args) --------------------------------------------------------
 
     def _policy_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the looped forward / generate for this exit policy (none for a plain model)."""
@@ -353,19 +231,8 @@ class RetrofitLM(TemplateLM):
                 "depth": self.depth,
                 "step_schedule": self.step_schedule,
             },
-            "tasks": {},
         }
-        for task in self.meter.tasks():
-            out["tasks"][task] = {
-                "requests": dict(self.meter.requests[task]),
-                "answer_tokens": _stats(self.model, info, self.meter.depths("answer", task), readout),
-                "all_tokens": _stats(self.model, info, self.meter.depths("all", task), readout),
-            }
-        out["total"] = {
-            "answer_tokens": _stats(self.model, info, self.meter.depths("answer"), readout),
-            "all_tokens": _stats(self.model, info, self.meter.depths("all"), readout),
-        }
-        return out
+        return {**out, **self.meter.report(self.model, info, readout)}
 
     # --- loglikelihood ----------------------------------------------------------------------------
 

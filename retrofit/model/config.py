@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -294,6 +295,22 @@ class LoopConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_fields(cls, source: Any, **override) -> "LoopConfig":
+        """A ``LoopConfig`` from whatever holds its fields by name: parsed flags (an ``argparse.Namespace``,
+        a dataclass such as ``LoopArgs``) or a mapping.
+
+        Every ``LoopConfig`` field that ``source`` has is copied (``extra`` excepted), so a new field flows
+        from a flag of the same name without edits here; fields it lacks keep their defaults. ``override``
+        replaces fields (e.g. ``fixed_graph=True``, or a control arm's ``method``).
+        """
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        if isinstance(source, Mapping):
+            values = {k: source[k] for k in names if k in source}
+        else:
+            values = {k: getattr(source, k) for k in names if hasattr(source, k)}
+        return cls(**{**values, **override})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LoopConfig":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -217,31 +218,53 @@ def check_targets(summary: dict) -> dict[str, dict]:
     return out
 
 
-def main_job_report(
-    looped,
-    tokenizer,
-    pristine,
-    controls: dict,
-    out: Path,
-    script,
-    splits,
-    identity_err,
-    t_start: float,
-    timings: dict,
-    calibration: dict | None = None,
-) -> dict:
-    """Evaluate, export and summarize (see the module docstring). Returns the summary dict.
+@dataclass
+class ReportInputs:
+    """What ``main_job_report`` takes: the run's models, rows and records, as ``run_recipe`` built them."""
 
-    ``splits`` are the run's ``task_splits`` (the rows training held out are its test splits)."""
+    #: the trained looped model and its tokenizer
+    looped: Any
+    tokenizer: Any
+    #: the untouched pretrained base
+    pristine: Any
+    #: the trained control arms: name -> ``recipe.controls.TrainedControl``
+    controls: dict
+    #: the run's output folder
+    out: Path
+    #: the parsed ``ScriptArgs`` (``task``, ``eval_levels``, ``eval_n``, ``n_eval``)
+    script: Any
+    #: the run's ``task_splits``: the rows training held out are its test splits
+    splits: dict
+    #: max |looped(depth=1) - base| at init, or None when not checked
+    identity_err: float | None
+    #: ``time.time()`` at the start of the run
+    t_start: float
+    #: seconds per phase so far; the report adds its own
+    timings: dict
+    #: the ``--calibrate_stop_share`` result, if any
+    calibration: dict | None = None
+
+
+def main_job_report(inputs: ReportInputs) -> dict:
+    """Evaluate, export and summarize (see the module docstring). Returns the summary dict."""
     from ..evaluation import evaluate
-    from ..evaluation.jsonio import write_json
     from ..evaluation.options import EvalOptions
+    from ..hub.atomic_io import write_json_atomic
     from ..hub.export import export_model
 
-    rows, train_levels = test_rows(script, splits)
+    looped, tokenizer, controls, out, script = (
+        inputs.looped,
+        inputs.tokenizer,
+        inputs.controls,
+        inputs.out,
+        inputs.script,
+    )
+    identity_err, timings = inputs.identity_err, inputs.timings
+
+    rows, train_levels = test_rows(script, inputs.splits)
     looped.eval()
     compare = [(name, c.model, tokenizer) for name, c in controls.items()]
-    compare.append(("base", pristine, tokenizer))
+    compare.append(("base", inputs.pristine, tokenizer))
     names = ["looped", *[c[0] for c in compare]]
     opts = EvalOptions(
         accuracy="teacher_forced_argmax",
@@ -276,13 +299,14 @@ def main_job_report(
         },
     )
     timings["evaluation_s"] = round(time.time() - t_eval, 1)
-    write_json(results, out / "final" / "retrofit_eval.json")  # feeds the model card; atomic, strict JSON
+    # feeds the model card; atomic, strict JSON
+    write_json_atomic(out / "final" / "retrofit_eval.json", results, strict=True)
     t_exp = time.time()
     export_model(looped, out / "export", tokenizer=tokenizer, overwrite=True)
     timings["export_s"] = round(time.time() - t_exp, 1)
 
     summary: dict[str, Any] = {
-        "wall_time_s": round(time.time() - t_start, 1),
+        "wall_time_s": round(time.time() - inputs.t_start, 1),
         "timings_s": timings,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "identity_at_init_max_abs_diff": identity_err,
@@ -290,7 +314,7 @@ def main_job_report(
         "train_levels": train_levels,
         "models": names,
         "loop": looped.loop.to_dict(),
-        "calibration": calibration,
+        "calibration": inputs.calibration,
         **summarize(results, script.task, train_levels, names),
     }
     summary["targets"] = check_targets(summary)
@@ -300,7 +324,7 @@ def main_job_report(
         "report": str(out / "report"),
         **{f"control_{k}": str(c.path) for k, c in controls.items()},
     }
-    write_json(summary, out / "summary.json")
+    write_json_atomic(out / "summary.json", summary, strict=True)
     _print_summary(summary)
     return summary
 

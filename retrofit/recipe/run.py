@@ -155,20 +155,22 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
         if script.data_file:
             logger.warning("--report needs --task rows with difficulty levels; skipped for --data_file")
         else:
-            from .main_job import main_job_report
+            from .main_job import ReportInputs, main_job_report
 
             main_job_report(
-                looped,
-                tokenizer,
-                pristine,
-                trained_controls,
-                out,
-                script,
-                splits,
-                identity_err,
-                t_start,
-                timings,
-                calibration=calibration,
+                ReportInputs(
+                    looped=looped,
+                    tokenizer=tokenizer,
+                    pristine=pristine,
+                    controls=trained_controls,
+                    out=out,
+                    script=script,
+                    splits=splits,
+                    identity_err=identity_err,
+                    t_start=t_start,
+                    timings=timings,
+                    calibration=calibration,
+                )
             )
     return 0
 
