@@ -437,7 +437,6 @@ def frontier(model, tok, valid, draws: int = 3) -> dict:
     """The accuracy-compute frontier on the validation rows: the decider at each threshold, and random
     allocation of the answer steps at the decider's d̄ there (``draws`` seeds), paired on the same rows."""
     from retrofit.model.flops import cost_report
-    from retrofit.model.halting.training_free import RandomContinue, continue_rate_for_mean_depth
 
     D = model.loop.max_depth
     out = {"points": [], "random": []}
@@ -451,27 +450,7 @@ def frontier(model, tok, valid, draws: int = 3) -> dict:
         )
         if tau != 0.5 or D == 1:
             continue
-        q = continue_rate_for_mean_depth(min(max(dbar, 1.0), float(D)), D)
-        rand = []
-        for seed in range(draws):
-
-            def pol(n, where, seed=seed):
-                return RandomContinue(q, seed=1000 * seed + n, where=where)
-
-            ex_r, toks_r = tf_eval(model, tok, valid, policy=pol)
-            rand.append((ex_r, float(np.mean([t[1] for t in toks_r]))))
-        b = np.mean([r[0] for r in rand], axis=0)
-        diff = ex.astype(float) - b
-        out["random"] = {
-            "threshold": tau,
-            "rate": q,
-            "decider_accuracy": float(ex.mean()),
-            "random_accuracy": float(b.mean()),
-            "random_mean_depth": float(np.mean([r[1] for r in rand])),
-            "decider_minus_random": float(diff.mean()),
-            "sign_flip_p": sign_flip_p(diff),
-            "mcnemar_p_per_draw": [mcnemar_p(ex, r[0]) for r in rand],
-        }
+        out["random"] = {"threshold": tau, **vs_random(model, tok, valid, ex, dbar, draws)}
     return out
 
 

@@ -7,7 +7,7 @@ Imports ``retrofit.model`` and ``retrofit.hub``; never ``recipe``, ``evaluation`
 
 from __future__ import annotations
 
-import importlib
+from ..model.lazy import lazy_exports
 
 # name -> the module that defines it (imported on first use, so that importing one submodule stays light)
 _EXPORTS = {
@@ -34,13 +34,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
