@@ -171,28 +171,8 @@ def train_arm(c: Cfg, arm: str, train):
     train_fmt, _ = format_sft_dataset(train, chat=False)
     if arm == "sft":
         loop = LoopConfig(prelude=0, core=None, max_depth=1, method="fixed")
-    elif arm == "fixed":
-        loop = LoopConfig(
-            prelude=c.prelude,
-            core=c.core,
-            max_depth=c.max_depth,
-            method="fixed",
-            attention=c.attention,
-            updater_hidden=c.updater_hidden,
-        )
-    else:
-        loop = LoopConfig(
-            prelude=c.prelude,
-            core=c.core,
-            max_depth=c.max_depth,
-            method=c.method,
-            attention=c.attention,
-            deep_init_logit=c.deep_init_logit,
-            updater_hidden=c.updater_hidden,
-            decider_arch=c.decider_arch,
-            decider_top_k=c.decider_top_k,
-            mixture_output=c.mixture_output,
-        )
+    else:  # every LoopConfig field the Cfg names (split, method, decider, loss weights) comes from it
+        loop = LoopConfig.from_fields(c, **({"method": "fixed"} if arm == "fixed" else {}))
     model = convert(base, loop)
     if arm != "sft" and c.updater_base == "state":
         import types

@@ -64,9 +64,7 @@ FORBIDDEN = {
 MAX_LINES = 450
 #: modules still over MAX_LINES (their size then): a ratchet; none may grow, and none may join the list.
 #: Splitting one removes it from here.
-TOO_LONG = {
-    "retrofit.vllm_plugin.model": 530,
-}
+TOO_LONG: dict[str, int] = {}
 
 
 def _modules(root: Path, package: str) -> dict[str, tuple[Path, bool]]:

@@ -61,9 +61,12 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LossConfig:
     """Weights and switches of the methods' auxiliary training losses (docs/tah2.md, docs/anira.md).
+
+    ``LoopConfig`` inherits these fields (keyword-only, so its own come first positionally): the
+    weights are declared, defaulted and validated here only.
 
     Args:
         alpha_d: TaH2's decider-loss weight ``α_D`` in ``L = L_NTP + α_D · L_D`` (§3: 0.05).
@@ -140,7 +143,7 @@ LEGACY_VALUES: dict[str, Any] = {
 
 
 @dataclass
-class LoopConfig:
+class LoopConfig(LossConfig):
     """How to loop a pretrained model.
 
     Args:
@@ -181,8 +184,9 @@ class LoopConfig:
             decider). Deciders start deep (they continue at init) because shallow starts trap training
             (an ACT finding).
         alpha_d, rho, decider_weighting, gamma, prior_base, dyn_pos_weight, pos_weight, cost_min, cost_max,
-            decider_loss_norm, bce_margin: the auxiliary losses' weights and switches (``LossConfig``); the
-            model adds ``α_D · L_D`` (TaH2) or ``γ · L_C`` (ANIRA) to its loss.
+            decider_loss_norm, bce_margin: the auxiliary losses' weights and switches, inherited from
+            ``LossConfig`` (keyword-only); the model adds ``α_D · L_D`` (TaH2) or ``γ · L_C`` (ANIRA) to
+            its loss.
     """
 
     prelude: int = 0
@@ -202,17 +206,6 @@ class LoopConfig:
     gumbel_tau: float = 1.0
     fixed_graph: bool = False
     deep_init_logit: float = 3.0
-    alpha_d: float = 0.05
-    rho: float = 0.99
-    decider_weighting: str = "distance"
-    gamma: float = 0.01
-    prior_base: float = 2.0
-    dyn_pos_weight: bool = True
-    pos_weight: float = 1.0
-    cost_min: float = 1e-6
-    cost_max: float | None = 1.0
-    decider_loss_norm: str = "tokens"
-    bce_margin: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -260,7 +253,7 @@ class LoopConfig:
             if not isinstance(getattr(self, name), bool):
                 raise LoopConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         try:
-            self.loss_config  # noqa: B018  (validates the loss weights)
+            super().__post_init__()  # the loss weights (LossConfig)
         except ValueError as e:
             raise LoopConfigError(str(e)) from None
 
