@@ -380,7 +380,7 @@ def test_last_checkpoint_ignores_staging_and_incomplete(tmp_path):
     for step, complete in [(2, True), (5, False)]:
         d = tmp_path / f"checkpoint-{step}"
         d.mkdir()
-        if complete:  # last_checkpoint also validates what it finds (tests/test_reliability_checkpoints.py)
+        if complete:  # last_checkpoint also validates what it finds (tests/training/test_reliability_checkpoints.py)
             (d / "trainer_state.json").write_text('{"global_step": 2}')
             save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
     (tmp_path / ".staging-checkpoint-9" / "checkpoint-9").mkdir(parents=True)

@@ -29,7 +29,7 @@ def _one_thread():
 
 
 def _looped(max_depth=3, method="tah2", seed=1, **loop):
-    """A tiny random looped model whose depths vary (as tests/test_eval_runner.py's)."""
+    """A tiny random looped model whose depths vary (as tests/evaluation/test_eval_runner.py's)."""
     import retrofit
     from retrofit.testing import spread_decider, tiny_base
 

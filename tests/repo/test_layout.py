@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def _inside(location, folder):

@@ -1,7 +1,7 @@
 """Incremental decoding and generate() of looped models (retrofit.model.generation).
 
 The full-sequence forward is the reference (it is itself checked against a token-by-token
-brute force in tests/test_modeling.py): decoding with the depth-aware cache must give the same
+brute force in tests/model/test_modeling.py): decoding with the depth-aware cache must give the same
 logits and depths, whatever the split, the attention mode, the method, padding and batch mates.
 """
 
