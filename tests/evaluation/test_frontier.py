@@ -19,17 +19,11 @@ from retrofit.evaluation.decider_metrics import decider_decisions, gain_by_decil
 from retrofit.evaluation.models import model_info, pad_id
 from retrofit.evaluation.options import EvalOptions
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 def _looped(max_depth=3, method="tah2", seed=1, **loop):
-    """A tiny random looped model whose depths vary (as tests/test_eval_runner.py's)."""
+    """A tiny random looped model whose depths vary (as tests/evaluation/test_eval_runner.py's)."""
     import retrofit
     from retrofit.testing import spread_decider, tiny_base
 
@@ -43,13 +37,6 @@ def _looped(max_depth=3, method="tah2", seed=1, **loop):
         if method == "tah2":
             spread_decider(m, std=1.0, generator=g)
     return m
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from retrofit.testing import char_tokenizer
-
-    return char_tokenizer()
 
 
 def _example(prompt_ids, answer_ids, level=1):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +85,7 @@ def test_main_job_tiny_budget(tmp_path):
     assert all(isinstance(t["met"], bool) for t in summary["targets"].values())
     assert "reason" in summary["targets"]["adaptive_not_worse_than_fixed"]
     # the accuracy-compute frontier (issue 24): every model and policy, the decider against random allocation,
-    # the gain per decile, the break-even d̄ (tests/test_frontier.py checks each figure)
+    # the gain per decile, the break-even d̄ (tests/evaluation/test_frontier.py checks each figure)
     assert {(p["model"], p["policy"]) for p in summary["frontier"]} == {
         ("looped", "decider"),
         ("looped", "random"),

@@ -33,14 +33,7 @@ from retrofit.training.checkpointing import (
     staging_path,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models gain nothing from threads, and a busy 2-core machine makes 2 threads thrash
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rows(n=48):
@@ -380,7 +373,7 @@ def test_last_checkpoint_ignores_staging_and_incomplete(tmp_path):
     for step, complete in [(2, True), (5, False)]:
         d = tmp_path / f"checkpoint-{step}"
         d.mkdir()
-        if complete:  # last_checkpoint also validates what it finds (tests/test_reliability_checkpoints.py)
+        if complete:  # last_checkpoint also validates what it finds (tests/training/test_reliability_checkpoints.py)
             (d / "trainer_state.json").write_text('{"global_step": 2}')
             save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
     (tmp_path / ".staging-checkpoint-9" / "checkpoint-9").mkdir(parents=True)

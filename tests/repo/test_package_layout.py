@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "retrofit"
 
 #: old import paths kept as aliases of the moved modules (``sys.modules[__name__] = ...``)

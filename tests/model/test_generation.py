@@ -1,7 +1,7 @@
 """Incremental decoding and generate() of looped models (retrofit.model.generation).
 
 The full-sequence forward is the reference (it is itself checked against a token-by-token
-brute force in tests/test_modeling.py): decoding with the depth-aware cache must give the same
+brute force in tests/model/test_modeling.py): decoding with the depth-aware cache must give the same
 logits and depths, whatever the split, the attention mode, the method, padding and batch mates.
 """
 
@@ -18,7 +18,7 @@ from transformers import DynamicCache, TextStreamer
 from retrofit import LoopConfig, convert
 from retrofit.model.cache import DepthKVCache
 from retrofit.model.outputs import LoopedGenerateOutput
-from retrofit.testing import char_tokenizer, spread_decider, tiny_base
+from retrofit.testing import spread_decider, tiny_base
 
 SPLITS = {"whole": {"prelude": 0, "core": None}, "middle": {"prelude": 1, "core": 3}}
 
@@ -167,11 +167,6 @@ def test_taps_and_training_free_exits_decode_like_full_forward():
 # generate()
 # ------------------------------------------------------------------------------------------------
 PROMPTS = ["hello world", "hi", "abc def g"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return char_tokenizer()
 
 
 @pytest.mark.parametrize("method,split,seed", [("tah2", "whole", 3), ("anira-o", "middle", 1), ("anira-e", "whole", 1)])

@@ -19,13 +19,7 @@ from retrofit.testing import char_tokenizer, spread_decider, tiny_base
 from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer
 from retrofit.training.checkpointing import last_checkpoint
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(method="tah2", max_depth=2, seed=0, spread=True, **loop):

@@ -26,7 +26,7 @@ from retrofit.cli import main
 from retrofit.model.errors import RetrofitUserError, format_error, run_cli
 from retrofit.testing import char_tokenizer, tiny_base
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def one_error_line(err: str) -> str:

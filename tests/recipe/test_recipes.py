@@ -21,7 +21,7 @@ import torch
 
 from retrofit.training.checkpointing import assert_safetensors_only
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 
 # short sequences, a few steps, no evaluation: each run is seconds of training
@@ -43,7 +43,7 @@ COMMON = [
     "--disable_tqdm",
     "true",
     "--control",
-    "",  # the main job's preset trains an SFT control and reports; tests/test_controls.py covers them
+    "",  # the main job's preset trains an SFT control and reports; tests/recipe/test_controls.py covers them
     "--report",
     "false",
 ]

@@ -25,13 +25,7 @@ from retrofit.testing import spread_decider, tiny_base
 NAN = float("nan")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models gain nothing from threads, and a busy 2-core machine makes 2 threads thrash
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -36,12 +36,7 @@ from retrofit.training.checkpointing import (
 METHODS = ["tah2", "anira-e", "anira-o", "fixed"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class AbsurdLRFrom(TrainerCallback):

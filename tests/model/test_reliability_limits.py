@@ -28,7 +28,7 @@ from retrofit.model.memory import (
 )
 from retrofit.testing import char_tokenizer, tiny_base
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------------------

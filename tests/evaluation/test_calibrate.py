@@ -18,20 +18,7 @@ from retrofit.evaluation.calibrate import (
 from retrofit.evaluation.models import model_info, pad_id
 from retrofit.evaluation.options import EvalOptions
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from retrofit.testing import char_tokenizer
-
-    return char_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _looped(method="tah2", max_depth=2, seed=1):

@@ -27,14 +27,7 @@ from retrofit.evaluation.rows import prepare, task_rows
 from retrofit.lm_eval.model import RetrofitLM
 from retrofit.lm_eval.tasks import DEFAULT_TASKS, process_results, write_tasks
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models are fastest on one thread, and two threads contend badly on a loaded 2-core box.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 FFN = {"decider_arch": "ffn", "decider_top_k": 10}
@@ -60,13 +53,6 @@ def _looped(max_depth=3, method="tah2", seed=1):
 @pytest.fixture(scope="module")
 def looped():
     return _looped()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from retrofit.testing import char_tokenizer
-
-    return char_tokenizer()
 
 
 POLICIES = {

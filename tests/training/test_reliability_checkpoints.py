@@ -37,15 +37,10 @@ from retrofit.training.checkpointing import (
     write_json_atomic,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_trainer(out, max_steps=4, seed=0):
@@ -154,7 +149,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint_valid(run, tmp_path):
     flag = tmp_path / "saving"
     script = textwrap.dedent(f"""
         import sys, time
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]  # this file, sft_setup
         from test_reliability_checkpoints import make_trainer
         tr = make_trainer({str(out)!r})
         orig = tr._save_optimizer_and_scheduler

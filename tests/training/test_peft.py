@@ -13,13 +13,7 @@ from retrofit.testing import char_tokenizer, spread_decider, tiny_base
 from retrofit.training import LORA_TARGETS, RetrofitSFTConfig, RetrofitSFTTrainer, apply_lora
 from retrofit.training.checkpointing import assert_safetensors_only
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def looped(family="llama", method="tah2", seed=0):

@@ -25,14 +25,7 @@ from retrofit.evaluation.policies import engine_exit_policies
 from retrofit.evaluation.rows import prepare
 from retrofit.evaluation.teacher_forced import policy_pass, teacher_forced
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models are fastest on one thread, and two threads contend badly on a loaded 2-core box.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
 FFN = {"decider_arch": "ffn", "decider_top_k": 10}
@@ -60,13 +53,6 @@ def _looped(max_depth=3, method="tah2", seed=1):
 @pytest.fixture(scope="module")
 def looped():
     return _looped()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from retrofit.testing import char_tokenizer
-
-    return char_tokenizer()
 
 
 # ----------------------------------------------------------------------------------------------
