@@ -21,13 +21,6 @@ def tiny_llama():
     return tiny_base("llama")
 
 
-@pytest.fixture
-def char_tok():
-    from retrofit.testing import char_tokenizer
-
-    return char_tokenizer()
-
-
 @pytest.fixture(scope="module")
 def tok():
     """The character tokenizer, one per module."""

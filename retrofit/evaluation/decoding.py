@@ -1,6 +1,6 @@
 """Batched greedy decoding with each generated token's exit depth.
 
-Two backends give the same tokens and depths (tests/test_eval_runner.py checks it):
+Two backends give the same tokens and depths (tests/evaluation/test_eval_runner.py checks it):
 
 * ``"generate"``: the model's own ``generate`` (KV cache; for looped models the depth-aware cache
   of ``retrofit.model.generation``, whose ``depths`` output gives the producing step's depth).

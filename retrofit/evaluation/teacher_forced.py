@@ -263,7 +263,7 @@ def forced_depths_argmax(
     Exact, not an approximation: with every token running depth ``d`` or more, a depth-``d`` state reads only
     depth-``j <= d`` keys of earlier tokens (both attention modes), and the depth-``d`` readout runs the coda
     over every token's depth-``d`` state, so depth ``d`` of the depth-``D`` forward is the depth-``d`` forward
-    (``tests/test_eval_runner.py`` compares it with separate passes). Saves ``D - 1`` forwards.
+    (``tests/evaluation/test_eval_runner.py`` compares it with separate passes). Saves ``D - 1`` forwards.
 
     Returns:
         ``{d: per example argmax_pass's dict}``.

@@ -6,7 +6,7 @@ Loop spec (``config``), base families (``families``), conversion (``convert``), 
 ``depth_attention``), heads, outputs, generation, the depth-aware cache (``cache``, ``kv_stores``),
 memory and compute accounting (``memory``, ``flops``), version checks, user errors, the halting
 methods (``halting/``) and step schedules (``schedulers/``). Nothing here imports ``training``,
-``recipe``, ``evaluation``, ``hub``, ``cli`` or ``serving`` (``tests/test_package_layout.py``).
+``recipe``, ``evaluation``, ``hub``, ``cli`` or ``serving`` (``tests/repo/test_package_layout.py``).
 
 This ``__init__`` imports nothing: the package root (``retrofit``) re-exports the public API.
 """

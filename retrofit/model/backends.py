@@ -13,7 +13,7 @@ tokens compute each depth, and how a state becomes logits.
   depth only the tokens still running are packed (``retrofit.model.token_sets.Pack``), run through the core, and
   written to the cache; an exited token is not computed at deeper depths and writes no K/V there.
   Its result equals the full-sequence forward on the whole sequence with the same per-token depths
-  (tests/test_generation.py), and a row's result does not depend on the other rows of the batch.
+  (tests/model/test_generation.py), and a row's result does not depend on the other rows of the batch.
 
 A backend offers ``first_active``, ``begin_depth`` (returns the running tokens, or None),
 ``core``, ``readout``, ``end_depth``, ``final_readout`` and ``finish``; its constructor runs the

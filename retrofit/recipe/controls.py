@@ -7,7 +7,7 @@ learning rate, schedule, batch size and frozen parameters:
 
 - ``"sft"``: the base as a plain causal LM. It trains through the looped wrapper with
   ``max_depth=1`` and the ``fixed`` method — a function identical to the base model's
-  (``tests/test_modeling.py`` proves identity at depth 1) with no decider and no depth loss — so that
+  (``tests/model/test_modeling.py`` proves identity at depth 1) with no decider and no depth loss — so that
   data preparation, the length filter, the collator and the sampler are exactly those of the looped
   arm. It is saved as the plain base class (``control-sft/final``: ``LlamaForCausalLM`` /
   ``Qwen3ForCausalLM``), so nothing of retrofit is needed to load it.

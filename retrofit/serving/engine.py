@@ -19,7 +19,7 @@ A *row* is one token of one request at one depth. Each engine step:
 The tokens of a prompt move depth by depth together (a token reads the keys of earlier prompt tokens at
 its own depth); a request's later token enters after its previous token has exited, so every key a row
 reads was written earlier in the step or before it. The tokens equal ``model.generate`` on each request
-alone (``tests/test_serving_engine.py``).
+alone (``tests/serving/test_serving_engine.py``).
 
 ``Engine.step()`` runs one step; ``Engine.start()`` runs steps in a background thread for the server. The engine
 schedules (point 1, freeing, cancellation); its ``StepExecutor`` (``retrofit.serving.step``) does the tensor

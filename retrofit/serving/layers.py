@@ -10,7 +10,7 @@ group; so the engine calls the layer's *submodules* itself — the same modules,
 
 Everything that differs between families lives in ``LAYER_OPS`` (one entry per family, STYLE.md
 habit 6): Qwen3 normalizes each head's query and key (``q_norm``/``k_norm``) before the rotary
-embedding, Llama does not. ``tests/test_serving_engine.py`` checks ``LayerRunner`` against the
+embedding, Llama does not. ``tests/serving/test_serving_engine.py`` checks ``LayerRunner`` against the
 layer's own ``forward`` for both families, and ``attend`` against a per-row softmax for every unit layout.
 
 The projections run through ``linear`` (``LayerRunner.linear``), which on CPU computes a linear of

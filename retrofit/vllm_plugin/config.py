@@ -20,7 +20,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 METHODS = ("tah2", "anira-e", "anira-o", "fixed")
 ATTENTION_MODES = ("same-depth", "duo-causal")
 # the method's attention when the checkpoint leaves it None: copies of retrofit.model.config.METHODS and
-# DEFAULT_ATTENTION (the plugin does not import retrofit.model); tests/test_vllm_plugin_config.py keeps them equal
+# DEFAULT_ATTENTION (the plugin does not import retrofit.model);
+# tests/vllm_plugin/test_vllm_plugin_config.py keeps them equal
 DEFAULT_ATTENTION = {
     "tah2": "duo-causal",
     "anira-e": "same-depth",
