@@ -225,6 +225,8 @@ def test_anira_llama_online(tmp_path, rows_file):
             "3",
             "--gamma",
             "0.1",
+            "--depth_warmup_steps",  # the CPU preset trains every depth first for 80 steps; ANIRA from the start here
+            "0",
             "--lora",  # the CPU preset trains LoRA adapters; full fine-tuning here
             "false",
             *COMMON,
