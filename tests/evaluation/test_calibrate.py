@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from tiny_looped import mixed_depth_looped
 
 from retrofit.evaluation.calibrate import (
     calibrate_stop_share,
@@ -22,22 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _looped(method="tah2", max_depth=2, seed=1):
-    import retrofit
-    from retrofit.testing import spread_decider, tiny_base
-
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        extra = {"decider_arch": "ffn", "decider_top_k": 10} if method == "tah2" else {}
-        m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=max_depth, method=method, **extra))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        m.updater.w2.weight.copy_(torch.randn(m.updater.w2.weight.shape, generator=g) * 0.5)
-        if method == "tah2":
-            spread_decider(m, std=1.0, generator=g)
-        else:  # spread the ANIRA decider's output layer so its probabilities vary across tokens
-            last = [p for n, p in m.halting.decider.named_parameters() if n.endswith("weight")][-1]
-            last.copy_(torch.randn(last.shape, generator=g) * 2.0)
-    return m.eval()
+    return mixed_depth_looped(max_depth, method, seed, spread_anira=True)
 
 
 def _rows():

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
+from tiny_looped import mixed_depth_looped
 
 from retrofit.evaluation import analysis as A
 from retrofit.evaluation import cli as C
@@ -28,26 +29,7 @@ from retrofit.evaluation.teacher_forced import policy_pass, teacher_forced
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
-FFN = {"decider_arch": "ffn", "decider_top_k": 10}
-
-
-def _looped(max_depth=3, method="tah2", seed=1):
-    """A tiny random looped model whose depths and per-depth outputs actually vary."""
-    import retrofit
-    from retrofit.testing import spread_decider, tiny_base
-
-    # the heads' init draws from the global RNG, whose seed differs per process: fix it
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        # the evaluation's equivalences are checked on the "ffn" decider (10 probability features), whose
-        # random draws below give these prompts mixed depths
-        m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=max_depth, method=method, **FFN)).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        m.updater.w2.weight.copy_(torch.randn(m.updater.w2.weight.shape, generator=g) * 0.5)
-        if method == "tah2":
-            spread_decider(m, std=1.0, generator=g)
-    return m
+_looped = mixed_depth_looped
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from tiny_looped import mixed_depth_looped
 
 from retrofit.evaluation import stats as S
 from retrofit.evaluation.decider_metrics import decider_decisions, gain_by_decile
@@ -22,21 +23,7 @@ from retrofit.evaluation.options import EvalOptions
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
-def _looped(max_depth=3, method="tah2", seed=1, **loop):
-    """A tiny random looped model whose depths vary (as tests/evaluation/test_eval_runner.py's)."""
-    import retrofit
-    from retrofit.testing import spread_decider, tiny_base
-
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        cfg = retrofit.LoopConfig(max_depth=max_depth, method=method, decider_arch="ffn", decider_top_k=10, **loop)
-        m = retrofit.convert(tiny_base("llama"), cfg).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        m.updater.w2.weight.copy_(torch.randn(m.updater.w2.weight.shape, generator=g) * 0.5)
-        if method == "tah2":
-            spread_decider(m, std=1.0, generator=g)
-    return m
+_looped = mixed_depth_looped
 
 
 def _example(prompt_ids, answer_ids, level=1):

@@ -18,6 +18,7 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tiny_looped import mixed_depth_looped
 
 from data_prep.common import first_line
 from data_prep.tasks import get_task
@@ -30,24 +31,7 @@ from retrofit.lm_eval.tasks import DEFAULT_TASKS, process_results, write_tasks
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
 
 
-FFN = {"decider_arch": "ffn", "decider_top_k": 10}
-
-
-def _looped(max_depth=3, method="tah2", seed=1):
-    """A tiny random looped model whose exit depths vary from token to token."""
-    import retrofit
-    from retrofit.testing import spread_decider, tiny_base
-
-    with torch.random.fork_rng():  # the heads' init draws from the global RNG
-        torch.manual_seed(seed)
-        # the evaluation's equivalences are checked on the "ffn" decider (10 probability features), whose
-        # random draws below give these prompts mixed depths
-        m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=max_depth, method=method, **FFN)).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        m.updater.w2.weight.copy_(torch.randn(m.updater.w2.weight.shape, generator=g) * 0.5)
-        spread_decider(m, std=1.0, generator=g)
-    return m
+_looped = mixed_depth_looped
 
 
 @pytest.fixture(scope="module")
