@@ -12,6 +12,10 @@ Cases:
   per depth; ``sdpa``: the chunked kernel's matmul blocks). The step runs twice (the first compiles flex
   attention for this length); the second is timed. Reports seconds, tokens/s and
   ``torch.cuda.max_memory_allocated``.
+- ``flex_padded``: the determinism check of issue 29 on the flex path: a Qwen3-1.7B-width TaH2 model (4 layers,
+  fp32, M = 2) and the same model with every token forced through both depths, on a left-padded batch; the
+  forward runs 10 times and every result must equal the first and the sdpa model's (the chunked kernel) on the
+  real positions: max differences and NaN counts per forward.
 - ``serve``: the serving engine (``retrofit.serving.Engine``) decoding on CUDA, fp32, a 4-layer model of
   the same width: greedy tokens of 8 requests vs ``model.generate`` one by one (how many match), and the
   engine's tokens/s.
@@ -148,6 +152,44 @@ def serve() -> dict:
     }
 
 
+def flex_padded() -> dict:
+    import retrofit
+    import retrofit.model.depth_attention as da
+    from retrofit.testing import spread_decider
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    B, T = 4, (64 if DRY else 1000)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 32000, (B, T), generator=g).to(DEVICE)
+    mask = torch.ones(B, T, dtype=torch.long, device=DEVICE)
+    for b, n in enumerate((0, 7, T // 3, T - 1)):  # left padding, down to one real token
+        mask[b, :n] = 0
+    real = mask.bool()
+    res = {"case": "flex_padded", "B": B, "T": T}
+    for forced in (None, 2):
+        models = {}
+        for impl in ("sdpa", "flex_attention"):
+            base = _qwen3(impl, torch.float32, T, num_hidden_layers=4, vocab_size=32000)
+            torch.manual_seed(1)
+            models[impl] = retrofit.convert(base, retrofit.LoopConfig(max_depth=2, method="tah2")).eval()
+            spread_decider(models[impl], logit_std=2.0, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            models["flex_attention"].load_state_dict(models["sdpa"].state_dict())
+            ref = models["sdpa"](ids, attention_mask=mask, depth=forced).logits[real]
+            errs, nans = [], []
+            for _ in range(10):
+                with da.settings():
+                    out = models["flex_attention"](ids, attention_mask=mask, depth=forced).logits[real]
+                _sync()
+                nans.append(int(torch.isnan(out).sum()))
+                errs.append(float((out - ref).abs().max()))
+        key = "decider" if forced is None else f"depth_{forced}"
+        res[key] = {"max_abs_diff_per_forward": [f"{e:.2e}" for e in errs], "nan_per_forward": nans}
+        res[key]["ok"] = max(errs) <= 1e-3 and not any(nans)
+    return res
+
+
 def main() -> None:
     if not DRY and not torch.cuda.is_available():
         raise SystemExit("gpu_check.py needs a CUDA device (or --dry-run)")
@@ -155,6 +197,8 @@ def main() -> None:
     try:
         if case == "serve":
             res = serve()
+        elif case == "flex_padded":
+            res = flex_padded()
         else:
             _, model_name, impl, T = case.split(":")
             res = train(model_name, impl, int(T))

@@ -9,7 +9,8 @@
 #   1. plain Qwen3-1.7B shape vs TaH2 (M = 2, whole stack) with flex attention, one training step
 #      (bf16, gradient checkpointing, batch 1) at T = 4,096 and 16,384: seconds, tokens/s, peak memory;
 #   2. TaH2 on sdpa (the chunked kernel's matmul blocks on CUDA) at T = 4,096;
-#   3. the serving engine decoding on CUDA vs generate() (greedy tokens equal?).
+#   3. the serving engine decoding on CUDA vs generate() (greedy tokens equal?);
+#   4. issue 29's determinism check on the flex path: a left-padded batch, 10 forwards, each against sdpa.
 # Written on a machine without a GPU: not run there (see docs/long-context.md).
 set -u
 OUT="${OUT:-.}"
@@ -37,6 +38,7 @@ run train:tah2:flex_attention:16384 90
 run train:plain:sdpa:4096 40
 run train:tah2:sdpa:4096 50
 run serve 50
+run flex_padded 60
 
 python - "$RES" <<'PY'
 import json, sys
@@ -49,6 +51,6 @@ for (model, impl, T), r in sorted(train.items()):
     if model == "tah2" and p:
         print(f"TaH2 / plain, {impl}, T={T}: time {r['sec'] / p['sec']:.2f}, memory {r['peak_gib'] / p['peak_gib']:.2f}")
 for r in rows:
-    if r.get("case") == "serve":
-        print("serve:", json.dumps(r))
+    if r.get("case") in ("serve", "flex_padded"):
+        print(r["case"] + ":", json.dumps(r))
 PY

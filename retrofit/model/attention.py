@@ -13,6 +13,13 @@ when it has already exited: that row is then the gradient-free *lookahead* itera
 (§3), computed as if the token had continued. Rows of exited tokens beyond the lookahead are
 discarded by passthrough, so what they see does not matter.
 
+No query row is ever fully masked: a padding query sees itself (and nothing else), as a real one does.
+Its output is never read by a real token (padding keys stay invisible to real queries), but a row with
+no visible key is a kernel's corner case: an additive mask turns it into NaN (softmax of all -inf), and
+a fused kernel may leave it as whatever its scratch held (docs/long-context.md, "padding rows"). A
+self-visible row is an ordinary softmax on every kernel, so the padding positions' states stay finite
+and the ``0 × value`` products of the real queries' masked keys stay 0.
+
 ``depth_key_visibility`` builds the whole ``[B, T, m·T]`` pattern (the dense reference);
 ``depth_rule`` states the same rule elementwise over per-token metadata (``last``, ``segment_ids``),
 so the long-context kernels (``retrofit.model.depth_attention``) evaluate it one query block or one
@@ -85,7 +92,7 @@ def depth_rule(mode: str, m: int, t, s, j, last_s, seg_t, seg_s, valid_s) -> tor
             row holds one sequence).
         valid_s: the key is a real token (not padding).
     """
-    ok = (s <= t) & (seg_s == seg_t) & valid_s
+    ok = (s <= t) & (seg_s == seg_t) & (valid_s | (s == t))  # a padding query sees itself: no empty row
     if mode == "duo-causal":
         # key (s, j) visible iff s executed j, or it is the query's own position (the lookahead row)
         return ok & ((j <= last_s) | (s == t))
@@ -119,8 +126,8 @@ def segment_ids(position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
 def to_additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[B, Tq, K]`` bool -> ``[B, 1, Tq, K]`` additive float mask (0 or the dtype's minimum).
 
-    The minimum (not -inf) keeps a fully masked row (a padding query) finite: it becomes a
-    uniform average instead of NaN, and its output is never used.
+    The minimum (not -inf) keeps a row finite even if it had no visible key (the patterns built here have
+    none: a padding query sees itself).
     """
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
@@ -138,13 +145,14 @@ def base_visibility(
             sequence (TRL's ``packing=True``, padding-free batches), which must not see the
             previous one (``segment_ids``).
 
-    This is also the plain causal mask of the prelude and the coda.
+    This is also the plain causal mask of the prelude and the coda. A padding query sees itself only (no
+    row is empty: the module docstring).
     """
     pos = torch.arange(T, device=device)
     vis = (pos[None, :] <= pos[:, None])[None].expand(B, T, T)
     valid = torch.ones(B, T, dtype=torch.bool, device=device) if key_padding is None else key_padding.bool()
     if key_padding is not None:
-        vis = vis & valid[:, None, :]
+        vis = vis & (valid[:, None, :] | (pos[None, :] == pos[:, None])[None])
     seg = segment_ids(position_ids, valid) if position_ids is not None else None
     if seg is not None:
         vis = vis & (seg[:, :, None] == seg[:, None, :])

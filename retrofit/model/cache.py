@@ -193,16 +193,17 @@ class DepthKVCache(Cache):
         return S0
 
     def dense_mask(self, S0: int, Tn: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """``[B, 1, Tn, S0 + Tn]`` additive mask of prelude/coda layers (causal, no padding keys);
-        None when every key is visible to every query."""
+        """``[B, 1, Tn, S0 + Tn]`` additive mask of prelude/coda layers (causal, no padding keys; a padding
+        query sees itself, so no row is empty: ``retrofit.model.attention``); None when every key is visible
+        to every query."""
         S1 = S0 + Tn
         kv = self._valid[:, :S1]
         if Tn == 1 and bool(kv.all()):
             return None
-        vis = kv[:, None, :].expand(-1, Tn, -1)
+        q = torch.arange(S0, S1, device=kv.device)
+        k = torch.arange(S1, device=kv.device)
+        vis = kv[:, None, :] | (k[None, :] == q[:, None])[None]  # [B, Tn, S1]
         if Tn > 1:
-            q = torch.arange(S0, S1, device=kv.device)
-            k = torch.arange(S1, device=kv.device)
             vis = vis & (k[None, :] <= q[:, None])[None]
         mask = torch.zeros(vis.shape, dtype=dtype, device=vis.device)
         mask.masked_fill_(~vis, torch.finfo(dtype).min)

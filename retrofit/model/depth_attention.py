@@ -49,7 +49,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 import torch
-from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
+from transformers.masking_utils import and_masks, create_causal_mask, find_packed_sequence_indices
 from transformers.modeling_utils import AttentionInterface
 
 from .attention import base_visibility, depth_key_visibility, depth_rule, segment_ids, to_additive_mask
@@ -182,33 +182,65 @@ class SequenceAttention:
 
 
 def _causal_mask(config, x, attention_mask, position_ids, seg):
-    """The prelude's and coda's mask: what the base model itself would use (``create_causal_mask``).
+    """The prelude's and coda's mask: what the base model itself would use (``create_causal_mask``), except that
+    no query row is empty.
 
     transformers reads a packing from the position ids only without a padding mask, and splits
     sequences where consecutive ids do not step by one; retrofit splits where an id resets to 0
     (``segment_ids``). When the two disagree, or a batch is both padded and packed, the segment rule is
     added as an ``and_mask_function`` (a dense pattern for sdpa and eager, a block mask for flex).
+
+    With padding, every query also sees its own position: a padding query's row holds itself instead of
+    nothing, and a real query's row is unchanged (retrofit.model.attention; docs/long-context.md, "padding
+    rows"). transformers applies its padding rule last, after any ``or_mask_function``, so for flex (and with
+    the segment rule) the padding rule is retrofit's own ``and_mask_function``; a dense mask alone gets its
+    diagonal set visible after transformers built it (``_self_visible``), which keeps transformers' fast
+    index-based construction. flash-attention takes the padding mask as it is (it unpads: no row is empty).
     """
     kwargs = dict(config=config, inputs_embeds=x, attention_mask=attention_mask, cache=None, position_ids=position_ids)
     B, T = x.shape[:2]
+    impl = config._attn_implementation or "sdpa"
+    flash = impl.startswith("flash_attention")
     theirs = find_packed_sequence_indices(position_ids.expand(B, T)) if attention_mask is None else None
+    rules = []
     if seg is None:
         if theirs is not None:  # ids that do not step by one, but no reset: one sequence (a padding mask
             kwargs["attention_mask"] = torch.ones(B, T, dtype=torch.bool, device=x.device)  # turns the reading off)
-        return create_causal_mask(**kwargs)
-    if theirs is not None and torch.equal(theirs[:, 1:] != theirs[:, :-1], seg[:, 1:] != seg[:, :-1]):
-        return create_causal_mask(**kwargs)
-    impl = config._attn_implementation or "sdpa"
-    if impl.startswith("flash_attention"):
-        raise ValueError(
-            "flash-attention cannot take this batch: it is both padded and packed (or its position ids reset "
-            "to 0 without the steps of one transformers reads packings from); use sdpa or flex_attention"
-        )
+    elif not (theirs is not None and torch.equal(theirs[:, 1:] != theirs[:, :-1], seg[:, 1:] != seg[:, :-1])):
+        if flash:
+            raise ValueError(
+                "flash-attention cannot take this batch: it is both padded and packed (or its position ids reset "
+                "to 0 without the steps of one transformers reads packings from); use sdpa or flex_attention"
+            )
 
-    def same_segment(b, h, q, k):
-        return seg[b, q] == seg[b, k]
+        def same_segment(b, h, q, k):
+            return seg[b, q] == seg[b, k]
 
-    return create_causal_mask(**kwargs, and_mask_function=same_segment)
+        rules.append(same_segment)
+    padded = attention_mask is not None and not flash
+    if padded and (rules or impl == "flex_attention"):
+        valid = attention_mask.bool()
+
+        def real_key_or_self(b, h, q, k):
+            return valid[b, k] | (q == k)
+
+        rules.append(real_key_or_self)
+        kwargs["attention_mask"] = torch.ones(B, T, dtype=torch.bool, device=x.device)  # the rule reads it
+        padded = False
+    if rules:
+        kwargs["and_mask_function"] = rules[0] if len(rules) == 1 else and_masks(*rules)
+    mask = create_causal_mask(**kwargs)
+    return _self_visible(mask) if padded else mask
+
+
+def _self_visible(mask):
+    """A dense ``[B, 1, T, T]`` mask (bool, or additive float) with every query's own key made visible."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return mask
+    if not mask.is_contiguous():
+        mask = mask.contiguous()
+    mask.diagonal(dim1=-2, dim2=-1).fill_(True if mask.dtype == torch.bool else 0)
+    return mask
 
 
 class DepthMask:

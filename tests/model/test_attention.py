@@ -9,11 +9,12 @@ from retrofit.model.attention import base_visibility, depth_key_visibility
 
 
 def reference(depths, m, mode, pad):
-    """Visibility for queries at depth m given exit depths d* (only executed depths exist)."""
+    """Visibility for queries at depth m given exit depths d* (only executed depths exist). A padding query
+    sees itself only (no row is empty), as a real query always sees itself."""
     B, T = depths.shape
     out = torch.zeros(B, T, m * T, dtype=torch.bool)
     for b, t, s, j in itertools.product(range(B), range(T), range(T), range(1, m + 1)):
-        if s > t or not pad[b, s]:
+        if s > t or (not pad[b, s] and s != t):  # padding keys are invisible, except to themselves
             continue
         ds = int(depths[b, s])
         if s == t:  # a token sees its own states as if it continued (lookahead row)
@@ -47,4 +48,6 @@ def test_base_visibility_segments_and_padding():
     assert vis[2].tolist() == [True, True, True, False, False]
     pad = torch.tensor([[0, 1, 1, 1, 1]])
     vis = base_visibility(1, 5, "cpu", pad)[0]
-    assert not vis[:, 0].any() and vis[4, 1:].all()
+    assert not vis[1:, 0].any() and vis[4, 1:].all()  # no real query sees the padding key
+    assert vis[0].tolist() == [True, False, False, False, False]  # the padding query sees itself only
+    assert vis.any(-1).all()  # no empty row
