@@ -12,7 +12,7 @@ check_versions()  # fail early on an untested transformers / TRL / PEFT (RETROFI
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from .model.config import ATTENTION_MODES, METHODS, LoopConfig, LoopConfigError
+from .model.config import ATTENTION_MODES, LoopConfig, LoopConfigError
 from .model.convert import convert, looped_config_for
 from .model.families import FAMILIES, UnsupportedArchitectureError
 from .model.heads import parameter_report
@@ -26,6 +26,15 @@ from .model.modeling import (
 from .model.outputs import LoopedCausalLMOutput
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "METHODS":  # the registered halting methods (retrofit.model.registry), read when asked
+        from .model import registry
+
+        return registry.names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 for _cfg, _model in ((LoopedLlamaConfig, LoopedLlamaForCausalLM), (LoopedQwen3Config, LoopedQwen3ForCausalLM)):
     AutoConfig.register(_cfg.model_type, _cfg, exist_ok=True)

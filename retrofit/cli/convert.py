@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from ..model.config import ATTENTION_MODES, METHODS, LoopConfig
+from ..model import registry
+from ..model.config import ATTENTION_MODES, LoopConfig
 from ..model.errors import RetrofitUserError
 from ..training.model_setup import IdentityCheckError, identity_check  # noqa: F401 (IdentityCheckError: its old path)
 
@@ -176,7 +177,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prelude", type=int, default=0, help="leading layers run once (0 = loop from the first layer)")
     p.add_argument("--core", type=int, default=None, help="layers looped after the prelude (default: all remaining)")
     p.add_argument("--max-depth", type=int, default=2, help="maximum core iterations D")
-    p.add_argument("--method", default="tah2", choices=METHODS, help="halting method")
+    p.add_argument(
+        "--method",
+        default="tah2",
+        choices=registry.names(),
+        help="halting method: " + "; ".join(f"{n}: {registry.method_class(n).description}" for n in registry.names()),
+    )
     p.add_argument(
         "--attention", default=None, choices=ATTENTION_MODES, help="attention across depths (default: the method's)"
     )

@@ -12,7 +12,8 @@ import json
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from ..model.config import METHODS, LoopConfig
+from ..model import registry
+from ..model.config import LoopConfig
 from ..model.convert import convert
 from ..model.heads import parameter_report
 
@@ -102,7 +103,7 @@ def meta_report(name: str, loop: LoopConfig) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", nargs="*", default=list(REAL_SHAPES), help="which real shapes to report")
-    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="*", default=list(registry.names()), choices=registry.names())
     p.add_argument("--max-depth", type=int, default=4)
     p.add_argument("--prelude", type=int, default=0)
     p.add_argument("--core", type=int, default=None)

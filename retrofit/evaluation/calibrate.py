@@ -34,18 +34,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from retrofit.model.modeling import LoopedForCausalLM
+from retrofit.model import registry
 
 from .models import ModelInfo, batches, device, forward, model_info, pad_id, progress_bar
 from .options import EvalOptions
 from .rows import Example
 
-#: what the decider threshold means for each method (``forward(decider_threshold=)``)
-THRESHOLD_KIND = {
-    "tah2": "τ_exit (continue iff c >= τ)",
-    "anira-o": "cumulative halting mass u",
-    "anira-e": "allocation quantile of q",
-}
+
+def threshold_kind(method: str | None) -> str | None:
+    """What a method's decider threshold means (``forward(decider_threshold=)``; its ``threshold_meaning``), or
+    None for a method without a decider (or a plain model)."""
+    if method is None:
+        return None
+    return registry.method_class(method).threshold_meaning or None
+
+
+def _rule(method: str) -> str:
+    """The method's threshold rule (``HaltingMethod.threshold_rule``); an error for a method without one."""
+    rule = registry.method_class(method).threshold_rule
+    if rule is None:
+        with_rule = [n for n in registry.names() if registry.method_class(n).threshold_rule]
+        raise ValueError(f"method {method!r} has no decider threshold; allowed: {', '.join(with_rule)}")
+    return rule
 
 
 def answer_steps_mask(starts: Sequence[int], lengths: Sequence[int], T: int, dev=None) -> torch.Tensor:
@@ -59,21 +69,13 @@ def answer_steps_mask(starts: Sequence[int], lengths: Sequence[int], T: int, dev
 
 def continue_probabilities(out, info: ModelInfo) -> torch.Tensor:
     """The decider's probability to continue after depth ``d`` ``[B, T, k]`` (column ``d − 1``, ``k <= D − 1``)
-    from a forward's outputs: TaH2 ``c^(d)`` (``halt_signals``), ANIRA-O ``1 − α^(d)`` (the halting
-    probability's complement), ANIRA-E ``P(d* > d) = 1 − Σ_{j<=d} q_j`` (``depth_probs``)."""
-    if info.method == "tah2":
-        return out.halt_signals.float()
-    if info.method == "anira-o":
-        return 1.0 - out.halt_signals.float()
-    if info.method == "anira-e":
-        return 1.0 - out.depth_probs.float().cumsum(-1)[..., : info.max_depth - 1]
-    raise ValueError(f"no continue probability for method {info.method!r}; allowed: {', '.join(THRESHOLD_KIND)}")
+    from a forward's outputs, as the method reads it (``HaltingMethod.continue_probabilities``: TaH2 ``c^(d)``,
+    ANIRA-O ``1 − α^(d)``, ANIRA-E ``P(d* > d) = 1 − Σ_{j<=d} q_j``, Ouro ``1 − λ_d``)."""
+    if info.method is None:
+        raise ValueError("a plain model has no decider, hence no continue probability")
+    return registry.method_class(info.method).continue_probabilities(out, info.max_depth)
 
 
-#: the LoopConfig field that holds a method's own decision threshold
-THRESHOLD_FIELD = LoopedForCausalLM.THRESHOLD_FIELD
-#: methods whose threshold means "continue iff c >= τ" (the others: "continue iff c > 1 − u")
-_CONTINUE_AT_OR_ABOVE = ("tah2",)
 #: how far past the extreme probability a share of 0 or 1 puts the threshold: more than float32 rounding
 _MARGIN = 1e-6
 
@@ -95,8 +97,7 @@ def threshold_for_stop_share(continue_prob: Any, share: float, method: str) -> f
         raise ValueError("no decisions to place a threshold on (no answer steps)")
     if not 0.0 <= float(share) <= 1.0:
         raise ValueError(f"a stop share must lie in [0, 1], got {share!r}")
-    if method not in ("tah2", "anira-o", "anira-e"):
-        raise ValueError(f"method {method!r} has no decider threshold; allowed: tah2, anira-o, anira-e")
+    rule = _rule(method)
     k = int(round(float(share) * c.size))  # decisions that stop
     if k == 0:
         cut = -np.inf  # below every c
@@ -104,11 +105,11 @@ def threshold_for_stop_share(continue_prob: Any, share: float, method: str) -> f
         cut = np.inf
     else:
         cut = 0.5 * (c[k - 1] + c[k])
-    if method in _CONTINUE_AT_OR_ABOVE:  # stop iff c < τ: τ just above the k smallest
+    if rule == "continue_at_or_above":  # stop iff c < τ: τ just above the k smallest
         if k >= c.size:  # above every c by more than float32 rounding (the forward compares in float32)
             return float(min(1.0, c[-1] + _MARGIN))
         return float(min(1.0, max(0.0, cut)))
-    # ANIRA: continue iff c > 1 − u, stop iff c <= 1 − u
+    # "halt_mass" (ANIRA, Ouro): continue iff c > 1 − u, stop iff c <= 1 − u
     if k == 0:
         return float(min(1.0, 1.0 - c[0] + _MARGIN))
     return float(min(1.0, max(0.0, 1.0 - min(cut, 1.0))))
@@ -143,7 +144,7 @@ def first_decisions(model, examples: Sequence[Example], pad: int, batch_size: in
 def realized_stop_share(continue_prob: Any, threshold: float, method: str) -> float:
     """The share of these first decisions that stop at ``threshold`` (the rule of the module docstring)."""
     c = np.asarray(continue_prob, dtype=np.float64).reshape(-1)
-    stop = c < threshold if method in _CONTINUE_AT_OR_ABOVE else c <= 1.0 - threshold
+    stop = c < threshold if _rule(method) == "continue_at_or_above" else c <= 1.0 - threshold
     return float(stop.mean()) if c.size else float("nan")
 
 
@@ -171,10 +172,12 @@ def calibrate_stop_share(
     from .rows import prepare
 
     info: ModelInfo = model_info(model)
-    if info.method not in THRESHOLD_FIELD:
+    cls = registry.method_class(info.method) if info.method is not None else None
+    if cls is None or cls.threshold_field is None:
+        allowed = [n for n in registry.names() if registry.method_class(n).threshold_field]
         raise ValueError(
             f"--calibrate_stop_share sets a decider's own threshold; method {info.method!r} has none "
-            f"(allowed: {', '.join(THRESHOLD_FIELD)})"
+            f"(allowed: {', '.join(allowed)})"
         )
     if not rows:
         raise ValueError("--calibrate_stop_share needs rows to calibrate on; got none")
@@ -186,7 +189,7 @@ def calibrate_stop_share(
     finally:
         model.train(was_training)
     tau = threshold_for_stop_share(c, share, info.method)
-    previous = float(getattr(model.loop, THRESHOLD_FIELD[info.method]))
+    previous = cls.get_threshold(model.loop)
     field = model.set_decider_threshold(tau)
     return {
         "method": info.method,
@@ -201,8 +204,9 @@ def calibrate_stop_share(
 
 
 def write_threshold(folder: str | Path, field: str, value: float) -> bool:
-    """Set ``loop[field]`` in a saved checkpoint's ``config.json`` (atomically). False if the folder has no
-    looped config (a LoRA adapter folder, say)."""
+    """Set the decision threshold ``field`` (the method's ``threshold_field``: a ``loop`` key, or one of its
+    ``loop["options"]``) in a saved checkpoint's ``config.json`` (atomically). False if the folder has no looped
+    config (a LoRA adapter folder, say)."""
     from ..hub.atomic_io import write_json_atomic
 
     path = Path(folder) / "config.json"
@@ -211,6 +215,9 @@ def write_threshold(folder: str | Path, field: str, value: float) -> bool:
     cfg = json.loads(path.read_text())
     if not isinstance(cfg.get("loop"), dict):
         return False
-    cfg["loop"][field] = float(value)
+    cls = registry.method_class(cfg["loop"].get("method", "tah2"))
+    if cls.threshold_field != field:
+        raise ValueError(f"method {cls.name!r} keeps its threshold in {cls.threshold_field!r}, not {field!r}")
+    cfg["loop"] = cls.with_threshold(cfg["loop"], value)
     write_json_atomic(path, cfg)
     return True

@@ -48,12 +48,14 @@ from typing import Any
 
 import numpy as np
 
+from retrofit.model import registry
+
 from .calibrate import (  # noqa: F401  (answer_steps_mask, continue_probabilities: imported from here too)
-    THRESHOLD_KIND,
     answer_steps_mask,
     continue_probabilities,
     first_decisions,
     threshold_for_stop_share,
+    threshold_kind,
 )
 from .decider_metrics import gain_by_decile
 from .decisions import batch_seed, decision_gains, random_allocation, random_rate
@@ -117,13 +119,12 @@ def frontier_rows(examples: Sequence[Example], per_level: int | None) -> np.ndar
 
 
 def own_threshold(model, info: ModelInfo) -> float | None:
-    """The decider threshold the model runs with when a call passes none: TaH2's ``exit_threshold``, ANIRA-O's
-    ``halt_threshold``; None for ANIRA-E (its own rule is the argmax of q, not a quantile)."""
-    if info.method == "tah2":
-        return float(model.loop.exit_threshold)
-    if info.method == "anira-o":
-        return float(model.loop.halt_threshold)
-    return None
+    """The decider threshold the model runs with when a call passes none (its method's ``threshold_field``: TaH2's
+    ``exit_threshold``, ANIRA-O's ``halt_threshold``, Ouro's ``exit_q``); None for a method without one (ANIRA-E:
+    its own rule is the argmax of q, not a quantile)."""
+    if info.method is None:
+        return None
+    return registry.method_class(info.method).get_threshold(model.loop)
 
 
 def _tkey(tau: float) -> str:
@@ -336,7 +337,7 @@ def model_frontier(
     passes += 1
     entry.update(
         stop_shares=shares or None,
-        threshold_kind=THRESHOLD_KIND.get(info.method),
+        threshold_kind=threshold_kind(info.method),
         own_threshold=own_tau,
         points=arr.points,
         decider_vs_random=vs_random,

@@ -48,7 +48,10 @@ class ModelInfo:
 
     @property
     def has_decider(self) -> bool:
-        return self.looped and self.method != "fixed"
+        """A looped model whose method decides depths (its ``decider_runs``; not the fixed loop)."""
+        from retrofit.model import registry
+
+        return self.looped and registry.method_class(self.method).has_decider()
 
     def layers(self, mean_depth: float) -> float:
         """Decoder-layer passes per token at mean core depth ``mean_depth`` (``flops_ratio``)."""

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from retrofit.model import registry
+
 from .artifacts import write_artifacts
 from .decoding import greedy_generate
 from .models import model_info
@@ -275,8 +277,12 @@ def _frontier(primary: str, names: list[str], arrays: dict[str, TaskArrays], mod
         "points": [p for n in names for p in entries[n]["frontier"]["points"]],
     }
     prim = entries[primary]
-    fixed = next((n for n in names if n != primary and entries[n]["looped"] and entries[n]["method"] == "fixed"), None)
-    if prim["looped"] and prim["method"] != "fixed" and fixed is not None:
+
+    def decides(entry) -> bool:  # a looped model whose method decides depths (not the fixed loop)
+        return entry["looped"] and registry.method_class(entry["method"]).has_decider()
+
+    fixed = next((n for n in names if n != primary and entries[n]["looped"] and not decides(entries[n])), None)
+    if decides(prim) and fixed is not None:
         levels = list(prim["levels"])
         row_level = np.asarray(arrays[primary].levels, dtype=object)
         is_train = np.array([split_of(lv, prim.get("train_levels", [])) == "train" for lv in row_level], dtype=bool)

@@ -44,17 +44,11 @@ from typing import Any
 
 import yaml
 
+from ..model import registry
+
 DEFAULT_LICENSE = "other"
 EVAL_FILES = ("retrofit_eval.json", "eval_results.json")
 BASE_TAGS = ("retrofit", "looped-transformer", "adaptive-depth")
-
-METHOD_NAMES = {
-    "tah2": "TaH2, a token-level iteration decider; "
-    "the output is the halting-weighted mixture of the depths' predictions",
-    "anira-e": "ANIRA-E, which decides each token's depth once, before the loop",
-    "anira-o": "ANIRA-O, which decides after each iteration whether the token halts",
-    "fixed": "fixed depth: every token runs all max_depth iterations",
-}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,6 +256,7 @@ def render_model_card(
         if repo_id
         else "Looped " + (base_model.split("/")[-1] if base_model else family + " model")
     )
+    method_line = registry.method_class(loop.method).description or loop.method
     lines = [
         "---",
         yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(),
@@ -275,7 +270,7 @@ def render_model_card(
             else f"A looped version of {base_model or 'a pretrained ' + family + ' model'}"
         )
         + ", retrofitted with retrofit: a block of its pretrained layers is run up to `max_depth` times, "
-        f"and each token decides how many iterations it needs. Method: {METHOD_NAMES.get(loop.method, loop.method)}.",
+        f"and each token decides how many iterations it needs. Method: {method_line}.",
         "",
         "## Loop specification",
         "",
@@ -289,11 +284,7 @@ def render_model_card(
         f"| max depth D | {loop.max_depth} |",
         f"| attention across depths | `{loop.attention}` |",
     ]
-    if loop.method == "tah2":
-        lines.append(f"| exit threshold τ | {loop.exit_threshold} |")
-        lines.append(f"| mixture output | {loop.mixture_output} |")
-    if loop.method == "anira-o":
-        lines.append(f"| halt threshold | {loop.halt_threshold} |")
+    lines += [f"| {k} | {v} |" for k, v in registry.method_class(loop.method).card_rows(loop)]
     lines += [
         "",
         "Full spec (`config.loop`):",

@@ -7,7 +7,6 @@ docstring for the forward, the loss and the wrapping by reference.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import warnings
 
@@ -16,6 +15,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.loss.loss_utils import fixed_cross_entropy
 
+from . import registry
 from .backends import CachedStep, FullSequence
 from .cache import DepthKVCache
 from .config import LoopConfig, LoopConfigError
@@ -115,30 +115,27 @@ class LoopedForCausalLM(PreTrainedModel):
                 "(set use_sliding_window=False)"
             )
 
-    #: the LoopConfig field holding each method's own decision threshold (``set_decider_threshold``)
-    THRESHOLD_FIELD = {"tah2": "exit_threshold", "anira-o": "halt_threshold"}
-
     def set_decider_threshold(self, value: float) -> str:
-        """Set the decider's own threshold (TaH2's ``exit_threshold``, ANIRA-O's ``halt_threshold``) in
-        ``config.loop`` (what ``save_pretrained`` writes) and in the halting module that decides; returns the
-        field's name.
+        """Set the decider's own threshold (the method's ``threshold_field``: TaH2's ``exit_threshold``, ANIRA-O's
+        ``halt_threshold``, Ouro's ``exit_q``) in ``config.loop`` (what ``save_pretrained`` writes) and in the
+        halting module that decides; returns the field's name.
 
         Raises:
             LoopConfigError: a method without one (the fixed loop; ANIRA-E decides by the argmax of ``q``) or a
                 value outside ``[0, 1]``.
         """
-
-        method = self.loop.method
-        field = self.THRESHOLD_FIELD.get(method)
+        cls = type(self.halting)
+        field = cls.threshold_field
         if field is None:
+            allowed = [n for n in registry.names() if registry.method_class(n).threshold_field]
             raise LoopConfigError(
-                f"method {method!r} has no decider threshold to set; allowed: {', '.join(self.THRESHOLD_FIELD)}"
+                f"method {cls.name!r} has no decider threshold to set; methods with one: {', '.join(allowed)}"
             )
         if not 0.0 <= float(value) <= 1.0:
             raise LoopConfigError(f"a decider threshold must lie in [0, 1], got {value!r}")
-        self.config.loop = {**(self.config.loop or {}), field: float(value)}
+        self.config.loop = cls.with_threshold(self.config.loop or {}, float(value))
         if getattr(self.halting, "loop", None) is not None:
-            self.halting.loop = dataclasses.replace(self.halting.loop, **{field: float(value)})
+            self.halting.loop = LoopConfig.from_dict(self.config.loop)
         return field
 
     @property

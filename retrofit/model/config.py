@@ -20,22 +20,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import registry
 from .errors import RetrofitUserError
 
-METHODS = ("tah2", "anira-e", "anira-o", "fixed")
 ATTENTION_MODES = ("duo-causal", "same-depth")
 DECIDER_ARCHS = ("swiglu", "ffn")
 DECIDER_LOSS_NORMS = ("tokens", "weights")
 
-# Each method's natural attention (docs/looped-model.md): TaH2 trains with duo-causal attention across
-# depths; ANIRA uses the allocation-aware same-depth read; a plain fixed-depth loop (Huginn, Ouro)
-# attends within its own iteration, which is the same-depth rule when every token has one depth.
-DEFAULT_ATTENTION = {
-    "tah2": "duo-causal",
-    "anira-e": "same-depth",
-    "anira-o": "same-depth",
-    "fixed": "same-depth",
-}
+
+def __getattr__(name):
+    """``METHODS`` (the registered method names) and ``DEFAULT_ATTENTION`` (each one's natural attention,
+    docs/looped-model.md): read from the registry (``retrofit.model.registry``), where each method declares
+    them."""
+    if name == "METHODS":
+        return registry.names()
+    if name == "DEFAULT_ATTENTION":
+        return {n: registry.method_class(n).default_attention for n in registry.names()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 #: Upper bound of ``max_depth``. Every depth keeps its own K/V for the core layers in the cache and,
@@ -151,10 +152,11 @@ class LoopConfig(LossConfig):
         core: Number of layers looped after the prelude. ``None`` means all remaining layers
             (whole-stack looping when ``prelude == 0``); the layers after the core form the coda.
         max_depth: Maximum number of core iterations ``D`` (TaH2's ``M``). 1 reproduces the base model.
-        method: Halting method: one of ``"tah2"``, ``"anira-e"``, ``"anira-o"``, ``"fixed"``.
+        method: Halting method: a registered name (``retrofit.model.registry``; built in: ``"tah2"``,
+            ``"anira-e"``, ``"anira-o"``, ``"fixed"``, ``"ouro"``).
         attention: ``"duo-causal"`` (attend to every executed depth ≤ the current one, TaH2) or
             ``"same-depth"`` (attend to each earlier token once, at depth ``min(d, d*_s)``, ANIRA).
-            ``None`` picks the method's natural mode (``DEFAULT_ATTENTION``).
+            ``None`` picks the method's natural mode (its ``default_attention``).
         updater_hidden: Hidden width of the updater MLP; ``None`` = the model's hidden size. Lower
             it if the heads' parameter share matters (the report in ``retrofit.model.heads``).
         decider_hidden: Hidden width of the decider FFN; ``None`` = hidden size // 4.
@@ -180,6 +182,8 @@ class LoopConfig(LossConfig):
         gumbel_tau: Temperature of ANIRA-E's straight-through Gumbel-softmax during training.
         fixed_graph: Always unroll all ``max_depth`` iterations, even when every token has exited.
             Needed under DeepSpeed ZeRO-3, whose trace cache thrashes on dynamic control flow.
+        options: The method's own options (the fields of its ``Options`` dataclass, in the method's module),
+            validated and completed with their defaults; a method without options takes none.
         deep_init_logit: Initial logit of the deciders' "continue" choice (ANIRA, and TaH2's ``"ffn"``
             decider). Deciders start deep (they continue at init) because shallow starts trap training
             (an ACT finding).
@@ -206,13 +210,16 @@ class LoopConfig(LossConfig):
     gumbel_tau: float = 1.0
     fixed_graph: bool = False
     deep_init_logit: float = 3.0
+    options: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise LoopConfigError(f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
+        try:
+            cls = registry.method_class(self.method)
+        except registry.UnknownMethodError as e:
+            raise LoopConfigError(str(e)) from None
         if self.attention is None:
-            self.attention = DEFAULT_ATTENTION[self.method]
+            self.attention = cls.default_attention
         if self.attention not in ATTENTION_MODES:
             raise LoopConfigError(f"unknown attention mode {self.attention!r}; allowed: {', '.join(ATTENTION_MODES)}")
         if not _is_int(self.max_depth) or self.max_depth < 1:
@@ -256,6 +263,12 @@ class LoopConfig(LossConfig):
             super().__post_init__()  # the loss weights (LossConfig)
         except ValueError as e:
             raise LoopConfigError(str(e)) from None
+        self.options = _method_options(cls, self.options)
+
+    @property
+    def method_options(self):
+        """The method's own options: an instance of its ``Options`` dataclass (``options`` holds its fields)."""
+        return registry.method_class(self.method).Options(**self.options)
 
     @property
     def loss_config(self) -> LossConfig:
@@ -318,6 +331,26 @@ class LoopConfig(LossConfig):
         if unknown:
             raise LoopConfigError(f"unknown LoopConfig fields {sorted(unknown)}; allowed: {sorted(known)}")
         return cls(**{**{k: v for k, v in LEGACY_VALUES.items() if k not in d}, **d})
+
+
+def _method_options(cls, options) -> dict[str, Any]:
+    """``options`` checked by the method's ``Options`` dataclass and completed with its defaults (every field is
+    written, so a checkpoint records what it ran with)."""
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise LoopConfigError(f"options must be a mapping of {cls.name}'s option names to values, got {options!r}")
+    known = [f.name for f in dataclasses.fields(cls.Options)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        allowed = ", ".join(known) if known else "none"
+        raise LoopConfigError(f"unknown options {unknown} for method {cls.name!r}; its options: {allowed}")
+    legacy = getattr(cls.Options, "LEGACY_VALUES", {})
+    try:
+        opts = cls.Options(**{**{k: v for k, v in legacy.items() if k not in options}, **options})
+    except (TypeError, ValueError) as e:
+        raise LoopConfigError(f"{cls.name} options: {e}") from None
+    return dataclasses.asdict(opts)
 
 
 def validate_depth(depth, batch: int, seq: int, max_depth: int):

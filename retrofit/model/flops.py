@@ -48,10 +48,6 @@ def model_costs(model) -> dict[str, int]:
     }
 
 
-#: how often each halting method's decider runs per token: after every decided depth, or once before the loop
-DECIDER_RUNS = {"tah2": "per_depth", "anira-o": "per_depth", "anira-e": "once"}
-
-
 def _per_token_flops(model, d: torch.Tensor, readout: bool, decider_runs: str) -> torch.Tensor:
     """FLOPs ``[n]`` of tokens with exit depths ``d`` ``[n]`` (float64)."""
     c = model_costs(model)
@@ -108,7 +104,7 @@ def cost_report(model, depths, mask=None, readout: bool | None = None, decider: 
     out["layers_adaptive_vs_base"] = fr["adaptive_vs_base"]
     if readout is None:
         readout = decider and model.halting.needs_depth_readout
-    runs = DECIDER_RUNS.get(model.halting.name, "none") if decider else "none"
+    runs = (model.halting.decider_runs or "none") if decider else "none"
     dv = d[m]
     flops = float(_per_token_flops(model, dv, readout, runs).sum())
     c = model_costs(model)
@@ -180,7 +176,7 @@ def break_even_mean_depth(model) -> dict[str, Any]:
     c = model_costs(model)
     fixed = 2.0 * (c["prelude"] + D * c["core"] + (D - 1) * c["updater"] + c["coda"] + c["head"])
     readout = model.halting.needs_depth_readout
-    runs = DECIDER_RUNS.get(model.halting.name, "none")
+    runs = model.halting.decider_runs or "none"
     f = _per_token_flops(model, torch.arange(1, D + 1), readout, runs).tolist()
     out: dict[str, Any] = {
         "mean_depth": None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from . import registry
 from .errors import RetrofitUserError
 
 
@@ -58,7 +59,7 @@ def generation_bytes(
         prelude, core, coda = (len(r) for r in lc.layer_ranges(n_layers))
         D = lc.max_depth
         if readout is None:
-            readout = lc.method == "tah2"
+            readout = registry.method_class(lc.method).reads_every_depth(lc)
     else:
         prelude, core, coda, D, readout = n_layers, 0, 0, 1, False
     heads = config.num_attention_heads

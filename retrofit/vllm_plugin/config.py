@@ -17,11 +17,12 @@ from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, LlamaConfig, Qwen3Config
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+#: the methods this plugin serves (its per-method adapters in model.py and heads.py): the registered methods that
+#: declare ``vllm_supported`` (retrofit.model.registry); a checkpoint of any other method gets one clear error
 METHODS = ("tah2", "anira-e", "anira-o", "fixed")
 ATTENTION_MODES = ("same-depth", "duo-causal")
-# the method's attention when the checkpoint leaves it None: copies of retrofit.model.config.METHODS and
-# DEFAULT_ATTENTION (the plugin does not import retrofit.model);
-# tests/vllm_plugin/test_vllm_plugin_config.py keeps them equal
+# the method's attention when the checkpoint leaves it None: a copy of those methods' ``default_attention``
+# (the plugin does not import retrofit.model); tests/vllm_plugin/test_vllm_plugin_config.py keeps both equal
 DEFAULT_ATTENTION = {
     "tah2": "duo-causal",
     "anira-e": "same-depth",
@@ -62,6 +63,7 @@ INFERENCE_FIELDS = (
     "exit_threshold",
     "halt_threshold",
     "mixture_output",
+    "options",  # a method's own options (none for the methods served here)
 )
 #: config attribute that forces every token to one depth (set it with vLLM's ``hf_overrides``)
 SERVE_DEPTH_ATTR = "retrofit_depth"
@@ -145,7 +147,9 @@ def loop_spec(config) -> LoopSpec:
     H = int(config.hidden_size)
     method = loop.get("method", "tah2")
     if method not in METHODS:
-        raise _error(f"unknown method {method!r}")
+        raise _error(f"method {method!r} is not served by the vLLM plugin")
+    if loop.get("options"):
+        raise _error(f"config.loop has method options this plugin does not serve: {sorted(loop['options'])}")
     attention = loop.get("attention") or DEFAULT_ATTENTION[method]
     if attention not in ATTENTION_MODES:
         raise _error(f"unknown attention mode {attention!r}")

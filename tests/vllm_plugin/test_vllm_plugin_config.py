@@ -10,6 +10,7 @@ import pytest
 
 import retrofit
 from retrofit.model import config as C
+from retrofit.model import registry
 from retrofit.testing import tiny_base
 from retrofit.vllm_plugin import config as P
 
@@ -18,9 +19,10 @@ def test_plugin_knows_every_loop_field_and_the_methods():
     fields = {f.name for f in dataclasses.fields(C.LoopConfig)}
     assert set(P.INFERENCE_FIELDS) | set(P.TRAINING_ONLY) == fields
     assert not set(P.INFERENCE_FIELDS) & set(P.TRAINING_ONLY)
-    assert P.METHODS == C.METHODS
+    served = tuple(n for n in C.METHODS if registry.method_class(n).vllm_supported)
+    assert P.METHODS == served  # the plugin's adapters are exactly the methods that declare vLLM support
     assert set(P.ATTENTION_MODES) == set(C.ATTENTION_MODES)
-    assert P.DEFAULT_ATTENTION == C.DEFAULT_ATTENTION
+    assert P.DEFAULT_ATTENTION == {n: C.DEFAULT_ATTENTION[n] for n in served}
 
 
 @pytest.mark.parametrize("arch, top_k", [("swiglu", 2048), ("ffn", 10), ("swiglu", 0)])

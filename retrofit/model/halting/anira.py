@@ -85,6 +85,17 @@ def _prior_loss(q, log_q, attention_mask, cfg: LossConfig) -> AuxLoss:
 
 class AniraEarly(HaltingMethod):
     name = "anira-e"
+    description = "ANIRA-E, which decides each token's depth once, before the loop"
+    threshold_meaning = "allocation quantile of q"
+    threshold_rule = "halt_mass"
+    decider_runs = "once"
+    vllm_supported = True
+    paper_claims = ("depth_follows_level",)
+
+    @classmethod
+    def continue_probabilities(cls, out, max_depth: int) -> torch.Tensor:
+        """``P(d* > d) = 1 - Σ_{j<=d} q_j`` from the planned distribution (``depth_probs``)."""
+        return 1.0 - out.depth_probs.float().cumsum(-1)[..., : max_depth - 1]
 
     def __init__(self, hidden_size: int, loop: LoopConfig):
         super().__init__(hidden_size, loop)
@@ -129,6 +140,22 @@ class AniraEarly(HaltingMethod):
 
 class AniraOnline(HaltingMethod):
     name = "anira-o"
+    description = "ANIRA-O, which decides after each iteration whether the token halts"
+    threshold_field = "halt_threshold"
+    threshold_meaning = "cumulative halting mass u"
+    threshold_rule = "halt_mass"
+    decider_runs = "per_depth"
+    vllm_supported = True
+    paper_claims = ("depth_follows_level",)
+
+    @classmethod
+    def card_rows(cls, loop) -> list[tuple[str, str]]:
+        return [("halt threshold", str(loop.halt_threshold))]
+
+    @classmethod
+    def continue_probabilities(cls, out, max_depth: int) -> torch.Tensor:
+        """``1 - α^(d)``: the complement of the halting probability (``halt_signals``)."""
+        return 1.0 - out.halt_signals.float()
 
     def __init__(self, hidden_size: int, loop: LoopConfig):
         super().__init__(hidden_size, loop)

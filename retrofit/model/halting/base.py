@@ -28,18 +28,42 @@ extra forward arguments (``fixed``'s random depth per batch, TaH2's threshold wa
 
 ``ctx`` is a ``HaltContext`` created per forward: all per-call state lives there, so a module can
 serve concurrent forwards and checkpoint recomputation.
+
+**What the rest of retrofit asks a method** (class attributes and class methods, read through the registry,
+``retrofit.model.registry``; nothing outside ``halting/`` branches on a method's name): its one-line
+``description`` (model cards), its ``default_attention``, its own ``Options`` dataclass (the fields of
+``LoopConfig.options``), its decision threshold (``threshold_field``, what it means, ``threshold_rule``, and
+``continue_probabilities`` for calibration and the frontier), how often its decider runs (``decider_runs``,
+for FLOPs), whether it reads out every depth (``reads_every_depth``, for memory), its model-card rows
+(``card_rows``) and whether the vLLM plugin serves it (``vllm_supported``). docs/architecture.md says how to
+add a method.
+
+**The main-loss hook.** A method whose objective replaces the next-token loss of the output logits (Ouro's
+expected loss over its exit distribution) sets ``needs_depth_ce``: the forward then runs every token through
+every depth in training and hands ``main_loss`` each executed depth's per-token cross-entropy *with*
+gradient (``outputs.depth_ce_tokens`` ``[B, T, D]``), and the value it returns becomes the model's ``loss``
+(the auxiliary loss is added to it as for any method).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
 
 from ..config import LoopConfig, LossConfig
 
-__all__ = ["AuxLoss", "DepthCombiner", "ExitLogits", "HaltContext", "HaltingMethod", "LossConfig"]
+__all__ = [
+    "THRESHOLD_RULES",
+    "AuxLoss",
+    "DepthCombiner",
+    "ExitLogits",
+    "HaltContext",
+    "HaltingMethod",
+    "LossConfig",
+    "NoOptions",
+]
 
 
 @dataclass
@@ -114,18 +138,93 @@ class ExitLogits(DepthCombiner):
         return self.z_exit
 
 
+@dataclass
+class NoOptions:
+    """The options of a method that has none of its own."""
+
+
+#: the threshold rules a method may declare (``HaltingMethod.threshold_rule``)
+THRESHOLD_RULES = {
+    "continue_at_or_above": "continue iff the continue probability c >= the threshold",
+    "halt_mass": "continue iff c > 1 - the threshold (a cumulative halting mass)",
+}
+
+
 class HaltingMethod(nn.Module):
-    """Base class; see the module docstring for the call order."""
+    """Base class; see the module docstring for the call order and the declarations."""
 
     name: str = ""
+    #: one line for model cards and ``retrofit convert --help``
+    description: str = ""
+    #: the attention across depths the method is trained with (``LoopConfig.attention=None`` picks it)
+    default_attention: str = "same-depth"
+    #: the method's own options: a dataclass whose fields ``LoopConfig.options`` holds (validated by it)
+    Options: type = NoOptions
+    #: where the decision threshold lives (a ``LoopConfig`` field, or a field of ``Options``); None: no
+    #: threshold the frontier can sweep or calibration can set
+    threshold_field: str | None = None
+    #: what the threshold means, for reports
+    threshold_meaning: str = ""
+    #: how the threshold reads the continue probability (a key of ``THRESHOLD_RULES``)
+    threshold_rule: str | None = None
+    #: how often the decider runs per token, for FLOPs: "per_depth", "once", or None (no decider)
+    decider_runs: str | None = None
+    #: the vLLM plugin (``retrofit.vllm_plugin``) serves checkpoints of this method; otherwise it refuses them
+    vllm_supported: bool = False
+    #: what the method's paper claims that the main job's report checks for it: "depth_follows_level" (ANIRA:
+    #: per-example d̄ rises with the difficulty level)
+    paper_claims: tuple[str, ...] = ()
     #: the method reads the next-token distribution of every executed depth (TaH2's decider input);
     #: its output then comes from ``combiner`` instead of one readout of the exit state
     needs_depth_readout: bool = False
+    #: the method's objective replaces the output's next-token loss (``main_loss``; module docstring)
+    needs_depth_ce: bool = False
 
     def __init__(self, hidden_size: int, loop: LoopConfig):
         super().__init__()
         self.hidden_size = hidden_size
         self.loop = loop
+
+    # -- declarations read by the rest of retrofit (class methods: no model needed) ----------------------
+    @classmethod
+    def has_decider(cls) -> bool:
+        """A decider decides each token's depth (every method but the fixed loop)."""
+        return cls.decider_runs is not None
+
+    @classmethod
+    def reads_every_depth(cls, loop: LoopConfig) -> bool:
+        """Inference reads out (coda, final norm, LM head) every executed depth, not only the exit depth."""
+        return False
+
+    @classmethod
+    def card_rows(cls, loop: LoopConfig) -> list[tuple[str, str]]:
+        """Rows ``(field, value)`` the model card adds to its loop table for this method."""
+        return []
+
+    @classmethod
+    def get_threshold(cls, loop: LoopConfig) -> float | None:
+        """The decision threshold ``loop`` runs with (``threshold_field``), or None."""
+        if cls.threshold_field is None:
+            return None
+        if cls.threshold_field in loop.options:
+            return float(loop.options[cls.threshold_field])
+        return float(getattr(loop, cls.threshold_field))
+
+    @classmethod
+    def with_threshold(cls, loop_dict: dict, value: float) -> dict:
+        """A stored loop dict (``config.loop``) with the decision threshold set to ``value``."""
+        out = dict(loop_dict)
+        if cls.threshold_field in {f.name for f in fields(cls.Options)}:
+            out["options"] = {**(out.get("options") or {}), cls.threshold_field: float(value)}
+        else:
+            out[cls.threshold_field] = float(value)
+        return out
+
+    @classmethod
+    def continue_probabilities(cls, out, max_depth: int) -> torch.Tensor:
+        """The decider's probability to continue after depth ``d`` ``[B, T, k]`` (column ``d - 1``, ``k <= D - 1``)
+        from a forward's outputs, in the sense of ``threshold_rule`` (calibration and the frontier)."""
+        raise ValueError(f"method {cls.name!r} has no decider whose continue probability could be read")
 
     @property
     def mixture_output(self) -> bool:
@@ -168,6 +267,21 @@ class HaltingMethod(nn.Module):
             labels: ``[B, T]`` unshifted labels (-100 = ignored), as given to the forward.
             cfg: loss weights and switches (the model passes ``LoopConfig.loss_config``).
             attention_mask: ``[B, T]`` 1 for real tokens; ``None`` = every token is real.
+        """
+        return None
+
+    def main_loss(self, outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor | None:
+        """The model's main loss, replacing the next-token loss of ``outputs.logits`` (``needs_depth_ce`` methods).
+
+        Args:
+            outputs: the forward's outputs; ``outputs.depth_ce_tokens`` ``[B, T, D]`` holds every executed
+                depth's per-token next-token cross-entropy with gradient (0 where the label is -100).
+            labels: ``[B, T]`` unshifted labels.
+            num_items_in_batch: the labelled tokens of the whole step (all ranks and accumulation steps), when
+                the trainer passes it; the normalizer then, as for transformers' own loss.
+
+        Returns:
+            A scalar, or None to keep the next-token loss of the output logits.
         """
         return None
 

@@ -58,6 +58,8 @@ def sample_poisson_lognormal_depth(
 
 class FixedDepth(HaltingMethod):
     name = "fixed"
+    description = "fixed depth: every token runs all max_depth iterations"
+    vllm_supported = True
 
     def train_forward_kwargs(self, cfg, step: int = 0) -> dict:
         """``{"depth": r}`` with a Poisson-lognormal ``r`` when ``cfg.random_depth`` is set.

@@ -49,6 +49,28 @@ from .base import AuxLoss, DepthCombiner, ExitLogits, HaltContext, HaltingMethod
 
 class TaH2(HaltingMethod):
     name = "tah2"
+    description = (
+        "TaH2, a token-level iteration decider; the output is the halting-weighted mixture of the depths' predictions"
+    )
+    default_attention = "duo-causal"
+    threshold_field = "exit_threshold"
+    threshold_meaning = "τ_exit (continue iff c >= τ)"
+    threshold_rule = "continue_at_or_above"
+    decider_runs = "per_depth"
+    vllm_supported = True
+
+    @classmethod
+    def reads_every_depth(cls, loop) -> bool:
+        return loop.decider_top_k > 0 or loop.mixture_output
+
+    @classmethod
+    def card_rows(cls, loop) -> list[tuple[str, str]]:
+        return [("exit threshold τ", str(loop.exit_threshold)), ("mixture output", str(loop.mixture_output))]
+
+    @classmethod
+    def continue_probabilities(cls, out, max_depth: int) -> torch.Tensor:
+        """``c^(d)``: the decider's own continue probabilities (``halt_signals``)."""
+        return out.halt_signals.float()
 
     def __init__(self, hidden_size: int, loop: LoopConfig):
         super().__init__(hidden_size, loop)
