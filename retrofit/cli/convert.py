@@ -30,6 +30,7 @@ import logging
 import re
 import shutil
 import tempfile
+import typing
 from pathlib import Path
 
 import torch
@@ -193,6 +194,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="updater MLP width (default: hidden size; lower it to save parameters)",
     )
     p.add_argument("--decider-hidden", type=int, default=None, help="decider FFN width (default: hidden size // 4)")
+    for name, (f, owners) in registry.option_fields().items():  # each method's own options, declared once there
+        hint = typing.get_type_hints(registry.method_class(owners[0]).Options)[name]
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=hint if hint in (int, float, str) else str,
+            default=None,
+            help=f"{' / '.join(owners)}: {f.metadata.get('help') or 'a method option'} (default: the method's)",
+        )
     p.add_argument("--out", required=True, help="folder to write (must be empty unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (only one that retrofit wrote)")
     p.add_argument(

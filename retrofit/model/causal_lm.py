@@ -226,6 +226,7 @@ class LoopedForCausalLM(PreTrainedModel):
         decider_threshold: float | None = None,
         depth_cap: int | None = None,
         depth_supervision: bool = False,
+        decider_phase: bool = False,
         **kwargs,
     ) -> LoopedCausalLMOutput:
         """Run the looped model on a full sequence, or decode incrementally with a cache.
@@ -283,6 +284,11 @@ class LoopedForCausalLM(PreTrainedModel):
                 ``depth_cap``), no decider runs, and ``loss`` is the mean over depths of each depth's own
                 next-token loss (``depth_ce``), so every depth's readout gets gradient — the "train every
                 depth before the decider decides" phase of ``RetrofitSFTConfig.depth_warmup_steps``.
+            decider_phase: with labels, the decider-only phase (Ouro's Stage II;
+                ``RetrofitSFTConfig.decider_phase_from``, whose trainer freezes everything but the decider): ``loss``
+                is the method's
+                ``decider_phase_loss`` (TaH2: its decider BCE; Ouro: the gate's BCE on the realized loss
+                improvements) where it has one, else its usual loss.
 
         Returns:
             ``LoopedCausalLMOutput``.
@@ -336,8 +342,16 @@ class LoopedForCausalLM(PreTrainedModel):
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", True)
         want_aux = labels is not None and bool(output_router_logits)
+        if decider_phase and (labels is None or depth_supervision):
+            raise ValueError("decider_phase needs labels and excludes depth_supervision")
+        # the main-loss hook (HaltingMethod.main_loss): in training, every executed depth's per-token loss
+        main_hook = labels is not None and self.training and self.halting.needs_depth_ce and rule.runs_decider
         depth_losses = labels is not None and (
-            output_depth_losses or depth_supervision or (want_aux and self.halting.needs_depth_losses)
+            output_depth_losses
+            or depth_supervision
+            or decider_phase
+            or main_hook
+            or (want_aux and self.halting.needs_depth_losses)
         )
 
         if cached:
@@ -361,6 +375,7 @@ class LoopedForCausalLM(PreTrainedModel):
             decider_threshold=decider_threshold,
             depth_cap=depth_cap,
             supervise_depths=depth_supervision,
+            depth_ce_tokens=main_hook,
         )
         logits, depth_logits = res.logits, res.depth_logits
         if kept is not None:  # [B * K, V] in row-major order -> [B, K, V], as HF returns kept logits
@@ -375,6 +390,7 @@ class LoopedForCausalLM(PreTrainedModel):
             halt_logits=res.halt_logits,
             depth_logits_q=res.depth_logits_q,
             depth_nll=res.depth_nll,
+            depth_ce_tokens=res.depth_ce_tokens,
             depth_logits=depth_logits,
             active=res.active,
             cache=backend.cache if cached else None,
@@ -396,6 +412,10 @@ class LoopedForCausalLM(PreTrainedModel):
                     loss_kwargs.get("num_items_in_batch"),
                     loss_kwargs.get("ignore_index", -100),
                 )
+            if main_hook:  # the method's objective replaces the output's next-token loss
+                main = self.halting.main_loss(out, labels, loss_kwargs.get("num_items_in_batch"))
+                if main is not None:
+                    out.loss = main
             if depth_supervision:  # the mean of every depth's own loss, each reduced as `loss` is
                 n_items = loss_kwargs.get("num_items_in_batch")
                 denom = n_items if n_items is not None else (shift != -100).sum().clamp_min(1)
@@ -411,6 +431,14 @@ class LoopedForCausalLM(PreTrainedModel):
             if aux is not None:
                 out.aux_loss, out.aux_metrics = aux.loss, aux.metrics
                 out.loss = out.loss + getattr(self.config, "router_aux_loss_coef", 1.0) * aux.loss
+            if decider_phase:
+                phase = self.halting.decider_phase_loss(
+                    out, labels, self.loop.loss_config, loss_kwargs.get("num_items_in_batch")
+                )
+                if phase is not None:  # the decider's own objective alone (the backbone is frozen): an auxiliary
+                    # loss with no next-token part, so trainers scale and log it as they do the method's own
+                    out.aux_loss, out.aux_metrics = phase.loss, {**(out.aux_metrics or {}), **phase.metrics}
+                    out.loss = getattr(self.config, "router_aux_loss_coef", 1.0) * phase.loss
         return out
 
     # -- generation ------------------------------------------------------------------------------

@@ -308,15 +308,39 @@ class LoopConfig(LossConfig):
         a dataclass such as ``LoopArgs``) or a mapping.
 
         Every ``LoopConfig`` field that ``source`` has is copied (``extra`` excepted), so a new field flows
-        from a flag of the same name without edits here; fields it lacks keep their defaults. ``override``
-        replaces fields (e.g. ``fixed_graph=True``, or a control arm's ``method``).
+        from a flag of the same name without edits here; fields it lacks keep their defaults. So do the
+        chosen method's own options (a value of None keeps the option's default); setting another method's
+        option is an error. ``override`` replaces fields (e.g. ``fixed_graph=True``, or a control arm's
+        ``method``).
         """
         names = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
-        if isinstance(source, Mapping):
-            values = {k: source[k] for k in names if k in source}
-        else:
-            values = {k: getattr(source, k) for k in names if hasattr(source, k)}
-        return cls(**{**values, **override})
+
+        def get(k):
+            return source.get(k) if isinstance(source, Mapping) else getattr(source, k, None)
+
+        def has(k):
+            return k in source if isinstance(source, Mapping) else hasattr(source, k)
+
+        values = {k: get(k) for k in names if has(k)}
+        if "method" in override and has("method") and get("method") != override["method"]:
+            values.pop("options", None)  # the source method's options are not the control's
+        values = {**values, **override}
+        # the method's own options, by name too (a flag named like an option; None = the method's default); a
+        # control arm that overrides the method takes none of the source method's options
+        method = values.get("method", cls.method)
+        own = {f.name for f in dataclasses.fields(registry.method_class(method).Options)}
+        opts = dict(values.get("options") or {})
+        switched = "method" in override and has("method") and get("method") != override["method"]
+        for name, (_, owners) in registry.option_fields().items():
+            v = get(name) if has(name) and not switched else None
+            if v is None:
+                continue
+            if name not in own:
+                raise LoopConfigError(f"{name} is an option of method {' / '.join(owners)}, not of {method!r}")
+            opts[name] = v
+        if opts:
+            values["options"] = opts
+        return cls(**values)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LoopConfig":

@@ -181,6 +181,7 @@ class LoopResult:
     depth_logits_q: torch.Tensor | None = None
     depth_nll: torch.Tensor | None = None
     depth_ce_sum: torch.Tensor | None = None
+    depth_ce_tokens: torch.Tensor | None = None
     depth_logits: torch.Tensor | None = None
 
 
@@ -199,6 +200,7 @@ def run_depth_loop(
     decider_threshold: float | None = None,
     depth_cap: int | None = None,
     supervise_depths: bool = False,
+    depth_ce_tokens: bool = False,
 ) -> LoopResult:
     """Run the core ``1 … max_depth`` times on the core input ``e`` ``[B, T, H]``.
 
@@ -225,6 +227,9 @@ def run_depth_loop(
         supervise_depths: with ``shift_labels``, also return ``depth_ce_sum`` ``[D']``: each executed depth's
             summed next-token cross-entropy *with* gradient (deep supervision; the caller forces every token
             through every depth).
+        depth_ce_tokens: with ``shift_labels``, also return ``depth_ce_tokens`` ``[B, T, D']``: each executed
+            depth's per-token next-token cross-entropy *with* gradient, 0 where the label is -100 (the main-loss
+            hook of ``HaltingMethod.main_loss``: Ouro's expected loss over its exit distribution).
     """
     method, loop = model.halting, model.loop
     D = loop.max_depth
@@ -241,9 +246,10 @@ def run_depth_loop(
     if backprop_depth is not None and (not isinstance(backprop_depth, int) or backprop_depth < 1):
         raise ValueError(f"backprop_depth must be None or an int >= 1, got {backprop_depth!r}")
     n_unroll = min(rule.last_depth or D, D_run)
-    if supervise_depths and shift_labels is None:
-        raise ValueError("supervise_depths needs shift_labels")
+    if (supervise_depths or depth_ce_tokens) and shift_labels is None:
+        raise ValueError("supervise_depths and depth_ce_tokens need shift_labels")
     depth_ce: list[torch.Tensor] = []
+    token_ce: list[torch.Tensor] = []
     rows = loss_rows
     if rows is not None and (rule.needs_logits or not hasattr(backend, "readout_rows")):
         raise ValueError("loss_rows needs the full-sequence backend and no logit-reading exit")
@@ -295,9 +301,16 @@ def run_depth_loop(
                     if rows is not None:  # unlabelled positions: 0, as masked above
                         nll = nll.new_zeros(B * T).index_copy(0, rows, nll).view(B, T)
                 depth_nll[..., d - 1] = torch.where(keep, nll, torch.full_like(nll, float("nan")))
-            if supervise_depths:  # deep supervision: this depth's own next-token loss, with gradient
+            if supervise_depths or depth_ce_tokens:  # this depth's own next-token loss, with gradient
                 target = pick(shift_labels).reshape(-1)
-                depth_ce.append(F.cross_entropy(z_loss.reshape(target.numel(), -1).float(), target, reduction="sum"))
+                zf = z_loss.reshape(target.numel(), -1).float()
+                if supervise_depths:  # deep supervision
+                    depth_ce.append(F.cross_entropy(zf, target, reduction="sum"))
+                if depth_ce_tokens:  # [B, T] (0 where unlabelled), the rows scattered back when loss_rows
+                    ce = F.cross_entropy(zf, target, reduction="none")
+                    if rows is not None:
+                        ce = ce.new_zeros(B * T).index_put((rows,), ce)
+                    token_ce.append(ce.view(B, T))
 
         # decide who continues to depth d + 1
         if d < D_run:
@@ -307,7 +320,7 @@ def run_depth_loop(
                 if combiner is not None:
                     with torch.no_grad():  # decider features: no gradient into the LM through them
                         probs = z_full.float().softmax(-1)
-                cont = method.step(d, e, h, probs, ctx)
+                cont = method.step(d, e, model.model.norm(h) if method.reads_final_norm else h, probs, ctx)
             nxt = act & rule.decide(d, cont, act, run, run.select(h) if rule.needs_states else None, z_run)
         else:
             nxt = torch.zeros_like(act)
@@ -358,6 +371,7 @@ def run_depth_loop(
         depth_logits_q=ctx.extra.get("q_logits"),
         depth_nll=depth_nll,
         depth_ce_sum=torch.stack(depth_ce) if depth_ce else None,
+        depth_ce_tokens=torch.stack(token_ce, -1) if token_ce else None,
         depth_logits=torch.stack(depth_logits) if depth_logits else None,
     )
 

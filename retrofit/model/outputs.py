@@ -32,6 +32,8 @@ class LoopedCausalLMOutput(ModelOutput):
         depth_logits_q: ``[B, T, D]`` ANIRA-E's raw depth logits (its q before softmax); else None.
         depth_ce: ``[D']`` with ``depth_supervision=True``: each executed depth's next-token loss (the same
             reduction as ``loss``), with gradient; ``loss`` is their mean.
+        depth_ce_tokens: ``[B, T, D']`` each executed depth's per-token next-token loss with gradient (0 where the
+            label is -100), for a method whose objective replaces the output's loss (``HaltingMethod.main_loss``).
         depth_nll: ``[B, T, D]`` next-token loss at each depth (position t predicts label t+1;
             TaH2's lookahead depth ``d*+1`` included); NaN where not computed. Present when the
             auxiliary loss needs it (TaH2 with labels) or ``output_depth_losses=True``.
@@ -56,6 +58,7 @@ class LoopedCausalLMOutput(ModelOutput):
     depth_logits_q: torch.Tensor | None = None
     depth_nll: torch.Tensor | None = None
     depth_ce: torch.Tensor | None = None
+    depth_ce_tokens: torch.Tensor | None = None
     depth_logits: torch.Tensor | None = None
     active: torch.Tensor | None = None
     cache: object | None = None

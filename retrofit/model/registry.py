@@ -38,6 +38,19 @@ def names() -> tuple[str, ...]:
     return tuple(_METHODS)
 
 
+def option_fields() -> dict[str, tuple[object, tuple[str, ...]]]:
+    """Every registered method's options: ``{option name: (its dataclass field, the methods that have it)}`` (the
+    recipes' and ``retrofit convert``'s flags are made from these)."""
+    import dataclasses
+
+    out: dict[str, tuple[object, tuple[str, ...]]] = {}
+    for name, cls in _METHODS.items():
+        for f in dataclasses.fields(cls.Options):
+            field, owners = out.get(f.name, (f, ()))
+            out[f.name] = (field, (*owners, name))
+    return out
+
+
 def method_class(name: str) -> type:
     """The class registered under ``name``.
 

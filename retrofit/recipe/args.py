@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..model.errors import RetrofitUserError
-from ..training.model_setup import LoopArgs
+from ..training.model_setup import loop_args_class
 
 CONTROLS = ("sft", "fixed")
 
@@ -143,7 +143,7 @@ def parse_recipe_args(spec: RecipeSpec, argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
         argv = ["--config", str(spec.preset), *argv]
-    script, train, loop = TrlParser((ScriptArgs, RetrofitSFTConfig, LoopArgs)).parse_args_and_config(argv)
+    script, train, loop = TrlParser((ScriptArgs, RetrofitSFTConfig, loop_args_class())).parse_args_and_config(argv)
     if loop.method not in spec.methods:
         raise RetrofitUserError(f"--method must be {' or '.join(spec.methods)}, got {loop.method!r} ({spec.name})")
     return script, train, loop

@@ -273,7 +273,8 @@ class MethodAdapter:
             ctx = self.method.new_context(False)
             ctx.extra.update(self.ctx_rows.load(rows))
             probs = z.float().softmax(-1)[:, None] if self.method.needs_depth_readout else None
-            c = self.method.step(0, e[:, None], h[:, None], probs, ctx)  # (d is unused by the methods' step)
+            hs = self.model.model.norm(h) if self.method.reads_final_norm else h  # the state the method reads
+            c = self.method.step(0, e[:, None], hs[:, None], probs, ctx)  # (d is unused by the methods' step)
             self.ctx_rows.save(rows, ctx.extra)
             if ctx.signals and self.method.needs_depth_readout:
                 signal = ctx.signals[-1][:, 0]

@@ -74,6 +74,15 @@ class RetrofitSFTConfig(SFTConfig):
             "decider; the method's own training starts at step N. 0 = off (the methods as published)."
         },
     )
+    decider_phase_from: int | None = field(
+        default=None,
+        metadata={
+            "help": "From this optimizer step on, train the decider alone on the frozen backbone (every parameter "
+            "but the halting head stops training) with the method's decider-phase loss: Ouro's Stage II, "
+            "TaH2's decider BCE, ANIRA's own loss. With --depth_warmup_steps N and this = N: train every depth, "
+            "then the decider (the first TaH paper's two stages). None = off."
+        },
+    )
     threshold_warmup_steps: int = field(
         default=0,
         metadata={
@@ -142,6 +151,12 @@ class RetrofitSFTConfig(SFTConfig):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        v = self.decider_phase_from
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < self.depth_warmup_steps):
+            raise ValueError(
+                f"decider_phase_from must be None or an integer step >= depth_warmup_steps "
+                f"({self.depth_warmup_steps}), got {v!r}"
+            )
         self.depth_schedule_steps  # noqa: B018  (validates depth_schedule)
         _ = self.loss_config  # validates the loss weights and switches
         super().__post_init__()

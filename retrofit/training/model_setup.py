@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -228,6 +229,29 @@ class LoopArgs:
         """The ``LoopConfig`` these arguments describe: every ``LoopConfig`` field that ``LoopArgs`` has
         (``LoopConfig.from_fields``); ``override`` replaces fields, e.g. for a control."""
         return LoopConfig.from_fields(self, fixed_graph=fixed_graph, **override)
+
+
+_LOOP_ARGS_WITH_OPTIONS: dict[tuple, type] = {}
+
+
+def loop_args_class() -> type:
+    """``LoopArgs`` plus one flag per registered method option (``retrofit.model.registry.option_fields``): a
+    method's options are declared once, in its ``Options`` dataclass, and every flag defaults to None (the
+    method's own default). ``LoopArgs.loop_config`` routes the set ones into ``LoopConfig.options``."""
+    from dataclasses import make_dataclass
+
+    from ..model import registry
+
+    opts = registry.option_fields()
+    key = tuple(sorted(opts))
+    if key not in _LOOP_ARGS_WITH_OPTIONS:
+        extra = []
+        for name, (f, owners) in opts.items():
+            hint = typing.get_type_hints(registry.method_class(owners[0]).Options)[name]
+            help_ = f"{' / '.join(owners)}: " + (f.metadata.get("help") or "a method option")
+            extra.append((name, hint | None, field(default=None, metadata={"help": help_})))
+        _LOOP_ARGS_WITH_OPTIONS[key] = make_dataclass("LoopArgs", extra, bases=(LoopArgs,))
+    return _LOOP_ARGS_WITH_OPTIONS[key]
 
 
 def freeze_prelude(model) -> int:

@@ -226,6 +226,10 @@ class RetrofitSFTTrainer(NanGuardMixin, CheckpointMixin, DepthMetricsMixin, SFTT
         """
         step = self.state.global_step
         warm = self.args.depth_warmup_steps
+        phase = self.args.decider_phase_from
+        if phase is not None and step >= phase:  # the decider alone, on the frozen backbone
+            self._freeze_all_but_the_decider()
+            return {"decider_phase": True}
         kw = {"depth_supervision": True} if step < warm else dict(method.train_forward_kwargs(self.args, step - warm))
         cap = self.args.depth_cap_at(step)
         if cap is not None and cap < self._looped.loop.max_depth:
@@ -234,6 +238,21 @@ class RetrofitSFTTrainer(NanGuardMixin, CheckpointMixin, DepthMetricsMixin, SFTT
             else:
                 kw["depth_cap"] = cap
         return kw
+
+    def _freeze_all_but_the_decider(self) -> None:
+        """``decider_phase_from``: every trainable parameter outside the halting head stops training (its
+        gradient stays None, so the optimizer skips it); idempotent, and re-done after a resume."""
+        if getattr(self, "_decider_phase_frozen", False):
+            return
+        frozen = 0
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and ".halting." not in f".{name}":
+                p.requires_grad_(False)
+                frozen += p.numel()
+        if not any(p.requires_grad for p in self._looped.halting.parameters()):
+            raise ValueError("decider_phase_from: the halting head has no trainable parameter (the fixed loop?)")
+        self._decider_phase_frozen = True
+        self._decider_phase_frozen_params = frozen
 
     # -- model card --------------------------------------------------------------------------------
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):

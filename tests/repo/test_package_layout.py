@@ -3,7 +3,7 @@
 Every module of ``retrofit`` is read with ``ast`` (nothing is imported): module-level and function-local
 imports alike, relative imports resolved. The checks: no import cycle, between modules or between
 packages; each package imports only the packages below it; what ``retrofit export`` bundles lies in
-``retrofit/model``; ``data_prep`` never imports ``retrofit``; no module grows past 450 lines.
+``retrofit/model``; ``data_prep`` never imports ``retrofit``; no module grows past 600 lines.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ FORBIDDEN = {
     "retrofit.hub": {"retrofit.training", "retrofit.recipe", "retrofit.evaluation", "retrofit.cli"},
 }
 
-MAX_LINES = 450
+#: a guard against 2,000-line files, not a design rule: modules are cut by concept (STYLE.md; issue 31: the 450-line
+#: cap split concepts into modules that imported each other's private helpers)
+MAX_LINES = 600
 #: modules still over MAX_LINES (their size then): a ratchet; none may grow, and none may join the list.
 #: Splitting one removes it from here.
 TOO_LONG: dict[str, int] = {}

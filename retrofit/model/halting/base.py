@@ -179,6 +179,9 @@ class HaltingMethod(nn.Module):
     needs_depth_readout: bool = False
     #: the method's objective replaces the output's next-token loss (``main_loss``; module docstring)
     needs_depth_ce: bool = False
+    #: ``step`` reads each depth's state after the model's final norm (what the LM head reads), not the raw
+    #: core output
+    reads_final_norm: bool = False
 
     def __init__(self, hidden_size: int, loop: LoopConfig):
         super().__init__()
@@ -283,6 +286,15 @@ class HaltingMethod(nn.Module):
         Returns:
             A scalar, or None to keep the next-token loss of the output logits.
         """
+        return None
+
+    def decider_phase_loss(
+        self, outputs, labels: torch.Tensor, cfg: LossConfig, num_items_in_batch=None
+    ) -> AuxLoss | None:
+        """The loss of the decider-only phase (``forward(decider_phase=True)``: the trainer has frozen everything
+        but the decider, after the backbone learned every depth). None: the method's usual loss, which then only
+        moves the decider (ANIRA: its straight-through weights and KL reach the decider). TaH2 returns its
+        decider BCE, Ouro its Stage II gate loss."""
         return None
 
     @property

@@ -37,6 +37,7 @@ of variable size to every micro-step. Runs with tiny micro-batches get noisier c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +162,15 @@ class TaH2(HaltingMethod):
             logits = c.log() - (-c).log1p()
         l_d, metrics = decider_loss(logits, lab, cfg, n_tokens=mask.sum(), exit_threshold=self.loop.exit_threshold)
         return AuxLoss(cfg.alpha_d * l_d, metrics)
+
+
+def _decider_phase_loss(self, outputs, labels, cfg: LossConfig, num_items_in_batch=None) -> AuxLoss | None:
+    """The decider-only phase: ``L_D`` alone (unweighted), the BCE against the lookahead labels on the frozen
+    backbone (the first TaH paper's second stage, with TaH2's labels)."""
+    return self.loss(outputs, labels, dataclasses.replace(cfg, alpha_d=1.0))
+
+
+TaH2.decider_phase_loss = _decider_phase_loss
 
 
 class DepthMixture(DepthCombiner):
