@@ -96,7 +96,13 @@ def test_left_padding_matches_full_forward(split, attention):
 
 @pytest.mark.parametrize(
     "method,split,seed",
-    [("tah2", "whole", 3), ("tah2", "middle", 2), ("anira-o", "middle", 1), ("anira-e", "whole", 1)],
+    [
+        ("tah2", "whole", 3),
+        ("tah2", "middle", 2),
+        ("anira-o", "middle", 1),
+        ("anira-e", "whole", 1),
+        ("ouro", "whole", 2),
+    ],
 )
 def test_decider_depths_and_logits_match_full_forward(method, split, seed):
     model = looped("llama", method, split, head_seed=seed)
@@ -169,7 +175,9 @@ def test_taps_and_training_free_exits_decode_like_full_forward():
 PROMPTS = ["hello world", "hi", "abc def g"]
 
 
-@pytest.mark.parametrize("method,split,seed", [("tah2", "whole", 3), ("anira-o", "middle", 1), ("anira-e", "whole", 1)])
+@pytest.mark.parametrize(
+    "method,split,seed", [("tah2", "whole", 3), ("anira-o", "middle", 1), ("anira-e", "whole", 1), ("ouro", "whole", 2)]
+)
 def test_batched_left_padded_generation_equals_one_by_one(tok, method, split, seed):
     model = looped("llama", method, split, head_seed=seed)
     enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")

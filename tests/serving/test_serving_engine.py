@@ -243,6 +243,7 @@ CONFIGS = [
     ("llama", "anira-e", "middle", 1),
     ("qwen3", "anira-o", "whole", 1),
     ("llama", "fixed", "middle", 2),
+    ("qwen3", "ouro", "whole", 2),
 ]
 
 

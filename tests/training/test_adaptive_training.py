@@ -338,3 +338,50 @@ def test_resume_across_the_warmup_switch_is_exact(tmp_path):
         assert b[s] == pytest.approx(a[s], rel=1e-5, abs=1e-6), (s, a, b)
     for (n, p), q in zip(full.model.named_parameters(), second.model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("method", ["tah2", "ouro"])
+def test_decider_phase_trains_only_the_decider_on_the_frozen_backbone(tmp_path, method):
+    """``depth_warmup_steps 2`` + ``decider_phase_from 2``: two steps of every depth (the backbone moves, the
+    decider does not), then the decider alone (the backbone is frozen and stays put; the decider moves), with the
+    method's decider-phase loss (TaH2: its BCE; Ouro: Stage II's)."""
+    from transformers import TrainerCallback
+
+    model = (
+        _model(method=method, max_depth=2)
+        if method == "tah2"
+        else retrofit.convert(tiny_base("llama"), LoopConfig(max_depth=2, method="ouro"))
+    )
+    tr = _trainer(tmp_path, model=model, depth_warmup_steps=2, decider_phase_from=2, max_steps=5)
+    seen = {}
+
+    def snap(m):
+        return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    class AtStep(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            seen[state.global_step] = snap(model)
+
+    tr.add_callback(AtStep())
+    calls = []
+    orig = tr.model.forward
+
+    def spy(*a, **kw):
+        calls.append(bool(kw.get("decider_phase")))
+        return orig(*a, **kw)
+
+    tr.model.forward = spy
+    start = snap(tr.model)
+    tr.train()
+    assert calls == [False, False, True, True, True]
+
+    def moved(a, b, decider):
+        return any(not torch.equal(a[n], b[n]) for n in a if (".halting." in f".{n}") == decider)
+
+    assert moved(start, seen[2], decider=False) and not moved(start, seen[2], decider=True)
+    assert moved(seen[2], seen[5], decider=True) and not moved(seen[2], seen[5], decider=False)
+    logged = [h for h in tr.state.log_history if "loss" in h]
+    key = "decider_loss" if method == "tah2" else "gate_loss"
+    assert key in logged[-1] and key not in logged[0]
+    with pytest.raises(ValueError, match="decider_phase_from must be None or an integer step >= depth_warmup_steps"):
+        RetrofitSFTConfig(output_dir=str(tmp_path), depth_warmup_steps=3, decider_phase_from=1, use_cpu=True)

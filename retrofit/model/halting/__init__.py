@@ -12,12 +12,14 @@ from ..registry import method_class, names, register
 from .anira import AniraEarly, AniraOnline
 from .base import HaltContext, HaltingMethod
 from .fixed import FixedDepth
+from .ouro import Ouro
 from .tah2 import TaH2
 
 register(TaH2)
 register(AniraEarly)
 register(AniraOnline)
 register(FixedDepth)
+register(Ouro)
 
 
 def build_halting(hidden_size: int, loop: LoopConfig) -> HaltingMethod:
