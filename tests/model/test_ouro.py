@@ -203,3 +203,26 @@ def test_identity_at_init_and_heads_budget():
     with torch.no_grad():
         torch.testing.assert_close(model(ids, depth=1).logits, base(ids).logits, atol=1e-5, rtol=0)
     assert sum(p.numel() for p in model.halting.parameters()) == model.config.hidden_size + 1
+
+
+def test_exported_folder_runs_ouro_without_retrofit(tmp_path):
+    """``retrofit export`` bundles Ouro's module (the registry line pulls it in): a fresh process with retrofit
+    hidden loads the folder with trust_remote_code and gives the same logits and exit depths."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hub"))
+    from test_export import run_fresh
+
+    from retrofit.hub.export import export_model
+
+    model = _model(q=0.5).eval()
+    out = export_model(model, tmp_path / "ouro_export")
+    assert (out / "retrofit_halting_ouro.py").is_file() and (out / "retrofit_registry.py").is_file()
+    ids, _ = _batch()
+    res = run_fresh({"ouro": out}, ids, tmp_path)
+    with torch.no_grad():
+        ref = model(ids)
+    assert len(ref.depths.unique()) > 1
+    torch.testing.assert_close(res["ouro"]["logits"], ref.logits, rtol=0, atol=1e-5)
+    assert torch.equal(res["ouro"]["depths"], ref.depths)

@@ -240,6 +240,51 @@ def test_anira_llama_online(tmp_path, rows_file):
     assert (loop.method, loop.prelude, loop.core, loop.max_depth) == ("anira-o", 1, 4, 3)
 
 
+def test_ouro_llama_two_stages(tmp_path, rows_file):
+    """Ouro's recipe: Stage I for 2 steps, then Stage II (the gate alone, ``--decider_phase_from 2``); its options
+    are flags made from its Options dataclass and land in the checkpoint's ``loop.options``."""
+    out = tmp_path / "ouro"
+    launch(
+        "cpu.yaml",
+        "ouro_llama.py",
+        [
+            "--model",
+            "tiny-llama",
+            "--prelude",
+            "0",
+            "--core",
+            "null",
+            "--max_depth",
+            "3",
+            "--exit_q",
+            "0.7",
+            "--entropy_beta",
+            "0.1",
+            "--data_file",
+            str(rows_file),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "4",
+            "--save_steps",
+            "4",
+            "--decider_phase_from",
+            "2",
+            "--freeze_prelude",
+            "false",
+            "--lora",
+            "false",
+            *COMMON,
+        ],
+    )
+    logs = check_run(out, 4)
+    assert logs[1]["mean_depth"] == 3.0 and "gate_loss" not in logs[1] and "gate_loss" in logs[3]
+    from transformers import AutoConfig
+
+    loop = AutoConfig.from_pretrained(out / "final").loop_config
+    assert loop.method == "ouro" and loop.options["exit_q"] == 0.7 and loop.options["entropy_beta"] == 0.1
+
+
 def test_fixed_loop_random_depth_truncated(tmp_path, rows_file):
     out = tmp_path / "fixed"
     launch(
