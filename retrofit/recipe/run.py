@@ -209,4 +209,8 @@ def recipe_main(spec: RecipeSpec) -> None:
     from ..model.errors import run_cli
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    if not torch.cuda.is_available():  # DeepSpeed (imported by the trainer) would warn that it fell back to the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.exit(run_cli(run_recipe, spec))

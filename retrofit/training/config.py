@@ -141,6 +141,8 @@ class RetrofitSFTConfig(SFTConfig):
             self.activation_checkpointing = self.gradient_checkpointing
         if self.ddp_find_unused_parameters is None:
             self.ddp_find_unused_parameters = True
+        if self.use_cpu or not torch.cuda.is_available():
+            self.dataloader_pin_memory = False  # nothing to pin for; torch warns at every epoch otherwise
         if self.truncate_backprop is not None and self.truncate_backprop < 1:
             raise ValueError(f"truncate_backprop must be None or >= 1, got {self.truncate_backprop!r}")
         if self.random_depth_sigma < 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -73,6 +74,14 @@ class CheckpointMixin:
         if self._staging_root is not None:
             return self._staging_root
         return super()._get_output_dir(trial)
+
+    def _save(self, output_dir=None, state_dict=None):
+        with warnings.catch_warnings():
+            # PEFT asks the base's config.json whether the vocabulary changed before saving an adapter; a GGUF base
+            # (the embedded SmolLM2) has none and offline there is no Hub to ask, so it warns at every save. No
+            # action is possible, and retrofit's LoRA never targets the embeddings (apply_lora), so it is silenced.
+            warnings.filterwarnings("ignore", message=r"Could not find a config file in .* vocabulary was not modified")
+            return super()._save(output_dir, state_dict)
 
     def _save_checkpoint(self, model, trial):
         # never write (nor later name as good) a checkpoint whose weights or optimizer state are NaN/inf
