@@ -66,6 +66,29 @@ class RetrofitSFTConfig(SFTConfig):
     bce_margin: float | None = field(
         default=None, metadata={"help": "TaH2: BCE margin m in logit space (the release's bce_margin) [0]."}
     )
+    kappa_scope: str | None = field(
+        default=None,
+        metadata={
+            "help": "TaH2 at max_depth >= 3: 'per-boundary' = one cutoff κ per depth boundary over the tokens "
+            "labelled continue at the boundary before, the others' later decisions at weight cost_min (the "
+            "release) [default]; 'pooled' = one κ over every decision. Identical at max_depth 2."
+        },
+    )
+    kappa_gather: bool | None = field(
+        default=None,
+        metadata={
+            "help": "TaH2: gather the cutoff's gains from every data-parallel rank, so all ranks use one κ (the "
+            "release) [true]; false = κ per process."
+        },
+    )
+    decider_loss_scope: str | None = field(
+        default=None,
+        metadata={
+            "help": "TaH2: 'global' = divide L_D by num_items_in_batch (labelled tokens of every rank and "
+            "accumulation step) and scale it like the LM loss (the release) [default]; 'local' = divide by the "
+            "micro-batch's labelled tokens and by the accumulation steps."
+        },
+    )
     depth_warmup_steps: int = field(
         default=0,
         metadata={
