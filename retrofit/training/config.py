@@ -89,6 +89,13 @@ class RetrofitSFTConfig(SFTConfig):
             "micro-batch's labelled tokens and by the accumulation steps."
         },
     )
+    decay_norms: bool = field(
+        default=False,
+        metadata={
+            "help": "Apply weight decay to norm weights too (every parameter but biases), as the TaH2 release "
+            "does; false = transformers' rule (no decay on biases and on the norm weights it recognizes by name)."
+        },
+    )
     depth_warmup_steps: int = field(
         default=0,
         metadata={

@@ -120,6 +120,14 @@ class RetrofitSFTTrainer(NanGuardMixin, CheckpointMixin, DepthMetricsMixin, SFTT
             remove_stale_staging(self.args.output_dir)
 
     # -- optimizer ---------------------------------------------------------------------------------
+    def get_decay_parameter_names(self, model) -> list[str]:
+        """transformers' rule (no decay on biases and on the norm weights it recognizes by name), or with
+        ``decay_norms`` the TaH2 release's: weight decay on every parameter but biases, norm weights included
+        (docs/tah2.md, "optimization")."""
+        if not self.args.decay_norms:
+            return super().get_decay_parameter_names(model)
+        return [n for n, _ in model.named_parameters() if "bias" not in n.rsplit(".", 1)[-1]]
+
     def create_optimizer(self, model=None):
         """The standard optimizer, with the updater (``updater.*``) at ``learning_rate × heads_lr_scale`` and the
         decider (``halting.*``) at ``learning_rate × decider_lr_scale`` (default: ``heads_lr_scale``), each scale

@@ -333,6 +333,27 @@ def test_decider_gradients_of_a_batch_equal_its_accumulated_halves(tmp_path):
     assert (grads(halves) - grads([batch])).abs().max() > 1e-6
 
 
+@pytest.mark.parametrize("decay_norms", [True, False])
+def test_decay_norms_puts_norm_weights_in_the_decayed_group(tmp_path, decay_norms):
+    """``decay_norms`` (the TaH2 release): weight decay on every parameter but biases, norm weights included;
+    off: transformers' rule (no decay on biases and on the norms it knows by name: the backbone's; the heads'
+    ``norm_e`` & co. are not among them). ANIRA-O's decider has biases; the head groups of a ``heads_lr_scale``
+    keep their decay."""
+    trainer = make_trainer(tmp_path, "anira-o", weight_decay=0.01, decay_norms=decay_norms, heads_lr_scale=3.0)
+    opt = trainer.create_optimizer()
+    wd = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    named = dict(trainer.model.named_parameters())
+    norms = [n for n in named if "norm" in n and n.startswith("model.")]
+    biases = [n for n in named if n.endswith(".bias")]
+    matrices = [n for n, p in named.items() if p.dim() == 2]
+    assert {"model.norm.weight", "model.layers.0.input_layernorm.weight"} <= set(norms)
+    assert biases and {n.split(".")[0] for n in biases} == {"halting"}
+    assert {wd[id(named[n])] for n in norms} == {0.01 if decay_norms else 0.0}
+    assert wd[id(named["updater.norm_e.weight"])] == 0.01
+    assert {wd[id(named[n])] for n in biases} == {0.0}
+    assert {wd[id(named[n])] for n in matrices} == {0.01}
+
+
 def test_random_depth_and_truncated_backprop_reach_the_forward(tmp_path):
     tr = make_trainer(tmp_path, "fixed", max_steps=8, random_depth=True, random_depth_mean=2.0, truncate_backprop=1)
     calls = []
