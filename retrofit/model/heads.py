@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 #: the heads' parameter budget: updater + decider below this share of the base model's parameters
-#: (METHODS.md §1: TaH2 reports < 3%)
+#: (docs/tah2.md, "heads budget": TaH2 reports < 3%)
 HEADS_BUDGET = 0.03
 
 INIT_KINDS = ("normal", "zeros", "bias", "torch")
