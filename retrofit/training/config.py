@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from trl import SFTConfig
 
-from ..model.config import LOSS_FIELDS
+from ..model.config import LOSS_FIELDS, LoopConfigError
 from ..model.halting.base import LossConfig
 
 
@@ -173,7 +173,10 @@ class RetrofitSFTConfig(SFTConfig):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         self.depth_schedule_steps  # noqa: B018  (validates depth_schedule)
-        _ = self.loss_config  # validates the loss weights and switches
+        try:
+            _ = self.loss_config  # validates the loss weights and switches
+        except ValueError as e:  # a user error: one line from the recipes (LoopConfigError is a RetrofitUserError)
+            raise LoopConfigError(str(e)) from None
         super().__post_init__()
 
     @property
