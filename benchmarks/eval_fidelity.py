@@ -100,7 +100,10 @@ def looped_from(path: Path, seed: int = 0):
     base = LlamaForCausalLM.from_pretrained(path).eval()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        loop = retrofit.LoopConfig(max_depth=3, method="tah2", decider_arch="ffn", decider_top_k=10)
+        # the residual updater and the core state: the model this benchmark measured (docs/evaluation.md)
+        loop = retrofit.LoopConfig(
+            max_depth=3, method="tah2", decider_arch="ffn", decider_top_k=10, updater="residual", decider_state="core"
+        )
         m = retrofit.convert(base, loop).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

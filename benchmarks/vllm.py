@@ -70,7 +70,15 @@ def build_checkpoint(folder: Path, method: str, args, base_folder: Path | None =
         base.generation_config.eos_token_id = None
         base.save_pretrained(base_folder)
     p = args.layers // 4
-    loop = retrofit.LoopConfig(prelude=p, core=args.layers - 2 * p, max_depth=args.depth, method=method)
+    # what the plugin serves (retrofit.vllm_plugin.config.SERVED_VALUES): the residual updater, the core state
+    loop = retrofit.LoopConfig(
+        prelude=p,
+        core=args.layers - 2 * p,
+        max_depth=args.depth,
+        method=method,
+        updater="residual",
+        decider_state="core",
+    )
     model = retrofit.convert(base, loop).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

@@ -128,6 +128,17 @@ def fixed_and_mixed(base, decider_scale: float, seed: int = 1, **loop):
     return fixed, mixed
 
 
+@torch.no_grad()
+def perturb_updater(model, std: float = 0.05, generator=None) -> None:
+    """Make deeper depths compute something new at init: the residual updater's zero-initialized output layer
+    ``w2`` gets N(0, ``std``²) entries (drawn from ``generator``, default the global RNG). The TaH2 release's
+    updater (``SwiGLUUpdater``) already differs from the identity at init and is left as it is."""
+    from .model.heads import Updater
+
+    if isinstance(model.updater, Updater):
+        model.updater.w2.weight.normal_(0.0, std, generator=generator)
+
+
 def decider_score_layer(model) -> torch.nn.Linear:
     """The output (score) layer of a looped model's TaH2 decider: ``score`` of the ``"swiglu"`` decider,
     ``fc2`` of the ``"ffn"`` one. Tests and benchmarks redraw it to get a mix of exit depths."""

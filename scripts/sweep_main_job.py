@@ -73,6 +73,16 @@ class Cfg:
     cost_max: float | None = None
     decider_loss_norm: str = "weights"
     bce_margin: float = 0.0
+    # chosen before the release options existed; the study of issue 31 re-chooses them (docs/tah2.md)
+    updater: str = "residual"
+    decider_state: str = "core"
+    decider_topk_grad: bool = False
+    decider_width_rule: str = "quarter"
+    decider_init: str = "normal"
+    padding_stops: bool = False
+    kappa_scope: str = "pooled"
+    kappa_gather: bool = False
+    decider_loss_scope: str = "local"
     gamma: float = 0.01  # ANIRA's KL weight
     prior_base: float = 2.0
     freeze_prelude: bool = True

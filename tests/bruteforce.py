@@ -79,6 +79,10 @@ def looped_reference(model, input_ids, depths, attention_mask=None):
     """
     loop = model.loop
     pre, core, coda = (list(r) for r in model._ranges)
+
+    def state(h):  # what the updater reads after a depth (LoopConfig.decider_state)
+        return model.model.norm(h) if loop.decider_state == "final_norm" else h
+
     layers = model.model.layers
     B, T = input_ids.shape
     if attention_mask is None:
@@ -110,7 +114,7 @@ def looped_reference(model, input_ids, depths, attention_mask=None):
         xin = {}  # (li, t, j) -> input of core layer li
         for m in range(1, loop.max_depth + 1):
             run = [t for t in real if dstar[t] >= m]
-            cur = {t: (e[t] if m == 1 else model.updater(e[t], h[(t, m - 1)])) for t in run}
+            cur = {t: (e[t] if m == 1 else model.updater(e[t], state(h[(t, m - 1)]))) for t in run}
             for li in core:
                 for t in run:
                     xin[(li, t, m)] = cur[t]

@@ -48,6 +48,54 @@ def brute_force_labels(nll, mask, rho):
     return kappa, labels, weights
 
 
+def _cutoff(gains, rho):
+    """The ρ rule over a list of gains, by hand: the smallest kept positive gain (0 when none is positive)."""
+    pos = sorted((g for g in gains if g > 0), reverse=True)
+    total, acc = sum(pos), 0.0
+    for g in pos:
+        acc += g
+        if acc >= rho * total:
+            return g
+    return 0.0
+
+
+def brute_force_labels_per_boundary(nll, mask, rho):
+    """The release's per-boundary rule (docs/tah2.md, "lookahead labels") with Python loops: boundary d's
+    candidates are the tokens that continued at every boundary before and made decision d; κ_d is the ρ rule
+    over their gains; a candidate continues iff δ ≥ κ_d (and δ > 0), weight |δ - κ_d|; a decision that was no
+    candidate is "stop" with weight None (the loss gives it cost_min).
+
+    Returns:
+        ``(kappas [D - 1], labels {(b, t, d): y}, weights {(b, t, d): w or None})``.
+    """
+    B, T, D = nll.shape
+    nll = nll.double().tolist()
+    decided = {}
+    for b in range(B):
+        for t in range(T):
+            if mask[b][t]:
+                for d in range(D - 1):
+                    a, c = nll[b][t][d], nll[b][t][d + 1]
+                    if math.isfinite(a) and math.isfinite(c):
+                        decided[(b, t, d)] = a - c
+    going = {(b, t) for b in range(B) for t in range(T) if mask[b][t]}
+    kappas, labels, weights = [], {}, {}
+    for d in range(D - 1):
+        cands = {(b, t) for (b, t) in going if (b, t, d) in decided}
+        kappa = _cutoff([decided[(b, t, d)] for b, t in cands], rho)
+        kappas.append(kappa)
+        for (b, t, dd), g in decided.items():
+            if dd != d:
+                continue
+            if (b, t) in cands:
+                labels[(b, t, d)] = int(g >= kappa and g > 0)
+                weights[(b, t, d)] = abs(g - kappa)
+            else:
+                labels[(b, t, d)], weights[(b, t, d)] = 0, None
+        going = {(b, t) for (b, t) in cands if labels[(b, t, d)] == 1}
+    return kappas, labels, weights
+
+
 def hand_decider_loss(
     depth_nll,
     labels,
@@ -61,14 +109,21 @@ def hand_decider_loss(
     cost_max=1.0,
     norm="tokens",
     margin=0.0,
+    scope="pooled",
+    n_items=None,
 ):
-    """α-free TaH2 decider loss written out (defaults: ``LossConfig``'s): brute-force labels and weights
-    (``brute_force_labels``), the weights clamped to ``[cost_min, cost_max]``, per-depth ``pos_weight`` =
-    negatives / positives clamped to [0.02, 50] (1 if a class is absent), BCE on ``logit - margin·(2y-1)``
-    by hand, summed with weights and divided by the labelled tokens (``norm="tokens"``) or the weights' sum.
-    Differentiable in ``logits`` ``[B, T, k]``. Returns ``(loss, number of decisions)``."""
+    """α-free TaH2 decider loss written out (defaults: ``LossConfig``'s but the pooled scope): brute-force labels
+    and weights (``brute_force_labels``, or ``brute_force_labels_per_boundary`` with ``scope="per-boundary"``,
+    where a non-candidate decision weighs ``cost_min``), the weights clamped to ``[cost_min, cost_max]``,
+    per-depth ``pos_weight`` = negatives / positives clamped to [0.02, 50] (1 if a class is absent), BCE on
+    ``logit - margin·(2y-1)`` by hand, summed with weights and divided by the labelled tokens (``norm="tokens"``;
+    by ``n_items`` when given) or the weights' sum. Differentiable in ``logits`` ``[B, T, k]``. Returns
+    ``(loss, number of decisions)``."""
     mask = (F.pad(labels[:, 1:], (0, 1), value=-100) != -100).tolist()
-    kappa, ys, ws = brute_force_labels(depth_nll.detach(), mask, rho)
+    if scope == "per-boundary":
+        _, ys, ws = brute_force_labels_per_boundary(depth_nll.detach(), mask, rho)
+    else:
+        _, ys, ws = brute_force_labels(depth_nll.detach(), mask, rho)
     ys = {k: v for k, v in ys.items() if k[2] < logits.shape[-1]}
     pws = {}
     for d in {k[2] for k in ys}:
@@ -82,7 +137,9 @@ def hand_decider_loss(
     num = den = 0.0
     for (b, t, d), y in ys.items():
         s = logits[b, t, d].float() - margin * (2 * y - 1)
-        if weighting == "distance":
+        if weighting == "distance" and ws[(b, t, d)] is None:  # not a cutoff candidate
+            w = cost_min
+        elif weighting == "distance":
             w = max(ws[(b, t, d)], cost_min)
             w = w if cost_max is None else min(w, cost_max)
         else:
@@ -91,12 +148,13 @@ def hand_decider_loss(
         num = num - w * (pws[d] * y * torch.log(p) + (1 - y) * torch.log(1 - p))
         den += w
     if norm == "tokens":
-        den = sum(sum(row) for row in mask)
+        den = sum(sum(row) for row in mask) if n_items is None else float(n_items)
     return num / max(den, 1e-12), len(ys)
 
 
-def hand_decider_loss_cfg(depth_nll, labels, logits, cfg):
-    """``hand_decider_loss`` with the switches of a ``LossConfig``."""
+def hand_decider_loss_cfg(depth_nll, labels, logits, cfg, n_items=None):
+    """``hand_decider_loss`` with the switches of a ``LossConfig`` (``n_items``: the forward's
+    ``num_items_in_batch``, used under ``decider_loss_scope="global"``)."""
     return hand_decider_loss(
         depth_nll,
         labels,
@@ -109,6 +167,8 @@ def hand_decider_loss_cfg(depth_nll, labels, logits, cfg):
         cost_max=cfg.cost_max,
         norm=cfg.decider_loss_norm,
         margin=cfg.bce_margin,
+        scope=cfg.kappa_scope,
+        n_items=n_items if cfg.decider_loss_scope == "global" else None,
     )
 
 

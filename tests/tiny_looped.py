@@ -6,8 +6,15 @@ from __future__ import annotations
 import torch
 
 #: the evaluation's equivalences are checked on the "ffn" decider (10 probability features), whose random
-#: draws below give the tests' prompts mixed depths (only TaH2 reads these fields)
-FFN = {"decider_arch": "ffn", "decider_top_k": 10}
+#: draws below give the tests' prompts mixed depths (only TaH2 reads these fields); the residual updater and the
+#: core state were chosen before the TaH2 release's options existed, and keep those draws
+FFN = {
+    "decider_arch": "ffn",
+    "decider_top_k": 10,
+    "updater": "residual",
+    "decider_state": "core",
+    "padding_stops": False,
+}
 
 
 def mixed_depth_looped(max_depth=3, method="tah2", seed=1, spread_anira=False, **loop):

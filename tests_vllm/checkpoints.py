@@ -11,6 +11,16 @@ from pathlib import Path
 
 import torch
 
+#: the loop fields the checkpoints pin: what the plugin serves, and the head shapes and init of before the TaH2
+#: release's options existed
+PLUGIN_LOOP = {
+    "updater": "residual",
+    "decider_state": "core",
+    "decider_top_k": 2048,
+    "decider_width_rule": "quarter",
+    "decider_init": "normal",
+}
+
 SHAPES = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -54,6 +64,9 @@ def build_checkpoint(
         max_depth=max_depth,
         method=method,
         attention=attention,
+        # what the plugin serves (retrofit.vllm_plugin.config.SERVED_VALUES), with the head shapes and init these
+        # checkpoints had before the TaH2 release's options existed
+        **PLUGIN_LOOP,
     )
     with torch.random.fork_rng():  # the heads' own initialization draws from the global RNG: pin it
         torch.manual_seed(seed)

@@ -36,7 +36,14 @@ from pathlib import Path
 import torch
 
 from ..model import registry
-from ..model.config import ATTENTION_MODES, LoopConfig
+from ..model.config import (
+    ATTENTION_MODES,
+    DECIDER_INITS,
+    DECIDER_STATES,
+    DECIDER_WIDTH_RULES,
+    UPDATERS,
+    LoopConfig,
+)
 from ..model.errors import RetrofitUserError
 from ..training.model_setup import IdentityCheckError, identity_check  # noqa: F401 (IdentityCheckError: its old path)
 
@@ -193,7 +200,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="updater MLP width (default: hidden size; lower it to save parameters)",
     )
-    p.add_argument("--decider-hidden", type=int, default=None, help="decider FFN width (default: hidden size // 4)")
+    p.add_argument(
+        "--updater",
+        default=None,
+        choices=UPDATERS,
+        help="how depth d+1's core input is made: release (the TaH2 release's SwiGLU updater) or residual "
+        "(e + a zero-initialized MLP); default: the method's (release for tah2, residual otherwise)",
+    )
+    p.add_argument(
+        "--decider-state",
+        default=None,
+        choices=DECIDER_STATES,
+        help="the state the decider and updater read: final_norm (the final norm of the core output) or core; "
+        "default: the method's (final_norm for tah2, core otherwise)",
+    )
+    p.add_argument(
+        "--decider-hidden", type=int, default=None, help="decider width (default: the --decider-width-rule's)"
+    )
+    p.add_argument(
+        "--decider-width-rule",
+        default=None,
+        choices=DECIDER_WIDTH_RULES,
+        help="decider width without --decider-hidden: release (hidden size, halved until the heads fit 3%% of "
+        "the base) or quarter (hidden size / 4); default: the method's (release for tah2)",
+    )
+    p.add_argument(
+        "--decider-top-k",
+        type=int,
+        default=None,
+        help="tah2: top-K next-token probabilities the decider reads (default: the hidden size; 0 = none)",
+    )
+    p.add_argument(
+        "--decider-topk-grad",
+        type=_boolean,
+        default=None,
+        help="tah2: the top-K probabilities enter the decider with gradient (true/false; default true)",
+    )
+    p.add_argument(
+        "--decider-init",
+        default=None,
+        choices=DECIDER_INITS,
+        help="tah2 decider's inner layers at init: torch (PyTorch's default) or normal; default: the method's",
+    )
+    p.add_argument(
+        "--padding-stops",
+        type=_boolean,
+        default=None,
+        help="padding stops at depth 1 and gets no lookahead iteration (true/false; default: true for tah2)",
+    )
     for name, (f, owners) in registry.option_fields().items():  # each method's own options, declared once there
         hint = typing.get_type_hints(registry.method_class(owners[0]).Options)[name]
         p.add_argument(
@@ -210,6 +264,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-model", default=None, help="record this base model id for the model card")
     p.add_argument("--license", default=None, help="record this license for the model card")
     p.add_argument("--no-check", action="store_true", help="skip the identity-at-init check")
+
+
+def _boolean(v: str) -> bool:
+    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``) -> bool, for the true/false flags."""
+    low = str(v).strip().lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
 
 
 def run(args) -> int:

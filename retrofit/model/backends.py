@@ -17,7 +17,7 @@ tokens compute each depth, and how a state becomes logits.
 
 A backend offers ``first_active``, ``begin_depth`` (returns the running tokens, or None),
 ``core``, ``readout``, ``end_depth``, ``final_readout`` and ``finish``; its constructor runs the
-prelude and leaves the core input in ``e``.
+prelude and leaves the core input in ``e`` and the ``[B, T]`` real-token (not padding) mask in ``real``.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class FullSequence:
         self.store = DepthKVStore()
         self.attn = SequenceAttention(model, x, attention_mask, position_ids, self.store)
         self.plain_mask = self.attn.plain
+        self.real = self.attn.valid  # [B, T] not padding
         self.pe = model.model.rotary_emb(x, position_ids)
         self.coda = model.coda_layers
         for layer in model.prelude_layers:
@@ -235,6 +236,7 @@ class CachedStep:
             position_ids = position_ids.expand(B, Tn)
         self.model, self.cache, self.dtype = model, cache, x.dtype
         self.new_valid, self.pos, self.readout_all = new_valid, position_ids, readout
+        self.real = new_valid  # [B, Tn] not padding
         self.S0 = cache.begin_step(new_valid, position_ids, readout)
         self.dense_mask = cache.dense_mask(self.S0, Tn, x.dtype)
         self.pe = model.model.rotary_emb(x, position_ids)

@@ -25,7 +25,7 @@ from .generation import looped_generate
 from .halting import build_halting
 from .halting.base import AuxLoss
 from .halting.training_free import resolve_exit_policy
-from .heads import Updater, init_tagged
+from .heads import build_updater, init_tagged, parameter_count
 from .loop import _kept_positions, exit_rule_for, forced_depths, run_depth_loop, shifted_labels
 from .outputs import LoopedCausalLMOutput, _halting_signals_finite
 from .schedulers import build_step_schedule
@@ -79,7 +79,8 @@ class LoopedForCausalLM(PreTrainedModel):
         self.vocab_size = config.vocab_size
         self.lm_head = lm_head if lm_head is not None else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         H = config.hidden_size
-        self.updater = Updater(H, loop.updater_hidden or H, eps=config.rms_norm_eps)
+        self.updater = build_updater(loop.updater, H, loop.updater_hidden or H, eps=config.rms_norm_eps)
+        loop = self._resolve_decider_shape(config, loop)
         self.halting = build_halting(H, loop)
         self._loop_checkpointing = False
         self._loop_checkpointing_kwargs: dict = {}
@@ -106,6 +107,17 @@ class LoopedForCausalLM(PreTrainedModel):
         return super().register_for_auto_class(auto_class)
 
     # -- structure ---------------------------------------------------------------------------
+    def _resolve_decider_shape(self, config, loop: LoopConfig) -> LoopConfig:
+        """Write the decider's top-K (``None``: the hidden size) and its ``"release"`` width (which counts the base
+        model's parameters: ``heads.release_decider_width``) into ``config.loop``: a saved checkpoint (and the vLLM
+        plugin reading it) states the shapes it was built with. Returns the resolved ``LoopConfig``."""
+        base = parameter_count(self.model, None if config.tie_word_embeddings else self.lm_head)
+        cls = registry.method_class(loop.method)
+        resolved = cls.resolve_shapes(loop, config.hidden_size, parameter_count(self.updater), base)
+        if resolved:
+            config.loop = {**(config.loop or {}), **resolved}
+        return config.loop_config if resolved else loop
+
     @staticmethod
     def _check_layer_types(config) -> None:
         types = getattr(config, "layer_types", None) or []
@@ -427,7 +439,8 @@ class LoopedForCausalLM(PreTrainedModel):
                 # loss instead, which a trainer's NaN stop names (retrofit.training.nan_guard)
                 aux = AuxLoss(torch.full((), float("nan"), device=out.loss.device), {})
             elif want_aux:
-                aux = self.halting.loss(out, labels, self.loop.loss_config, attention_mask)
+                n_items = loss_kwargs.get("num_items_in_batch")
+                aux = self.halting.loss(out, labels, self.loop.loss_config, attention_mask, num_items_in_batch=n_items)
             if aux is not None:
                 out.aux_loss, out.aux_metrics = aux.loss, aux.metrics
                 out.loss = out.loss + getattr(self.config, "router_aux_loss_coef", 1.0) * aux.loss

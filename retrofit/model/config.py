@@ -26,6 +26,12 @@ from .errors import RetrofitUserError
 ATTENTION_MODES = ("duo-causal", "same-depth")
 DECIDER_ARCHS = ("swiglu", "ffn")
 DECIDER_LOSS_NORMS = ("tokens", "weights")
+UPDATERS = ("release", "residual")
+DECIDER_STATES = ("final_norm", "core")
+DECIDER_WIDTH_RULES = ("release", "quarter")
+DECIDER_INITS = ("torch", "normal")
+KAPPA_SCOPES = ("per-boundary", "pooled")
+DECIDER_LOSS_SCOPES = ("global", "local")
 
 
 def __getattr__(name):
@@ -37,6 +43,18 @@ def __getattr__(name):
     if name == "DEFAULT_ATTENTION":
         return {n: registry.method_class(n).default_attention for n in registry.names()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+#: The model-side fields whose default (``None``) the method chooses (its ``loop_defaults``: TaH2 takes the authors'
+#: release, docs/tah2.md "the options of the release"); these are the values of a method that declares none.
+GENERIC_DEFAULTS: dict[str, Any] = {
+    "updater": "residual",
+    "decider_state": "core",
+    "decider_topk_grad": False,
+    "decider_width_rule": "quarter",
+    "decider_init": "normal",
+    "padding_stops": False,
+}
 
 
 #: Upper bound of ``max_depth``. Every depth keeps its own K/V for the core layers in the cache and,
@@ -91,6 +109,17 @@ class LossConfig:
             which makes ``L_D`` independent of the gains' scale.
         bce_margin: TaH2 release: BCE on ``logit - m·(2y - 1)``: positives are pushed above ``+m``
             and negatives below ``-m`` in logit space (0 = plain BCE).
+        kappa_scope: TaH2's cutoff κ at ``max_depth >= 3`` (docs/tah2.md, "lookahead labels"):
+            ``"per-boundary"`` (the release): one κ per depth boundary ``d``, over the tokens labelled
+            "continue" at ``d - 1`` that executed depth ``d``; the other decisions at ``d`` are "stop" with
+            weight ``cost_min``. ``"pooled"`` (retrofit < 0.3): one κ over every decision of the batch, every
+            decision at weight ``|δ - κ|``. The two are identical at ``max_depth = 2``.
+        kappa_gather: TaH2 release: under ``torch.distributed`` the candidates' positive gains are gathered
+            from every rank, so every rank labels with the same κ; ``False``: κ per process.
+        decider_loss_scope: ``N`` of ``decider_loss_norm="tokens"``: ``"global"`` (the release) = the forward's
+            ``num_items_in_batch`` (every rank's and accumulation step's labelled tokens), the trainer then
+            scaling the auxiliary loss like the LM loss; ``"local"`` (retrofit < 0.3) = this micro-batch's
+            labelled tokens, the trainer dividing by the accumulation steps.
     """
 
     alpha_d: float = 0.05
@@ -104,6 +133,9 @@ class LossConfig:
     cost_max: float | None = 1.0
     decider_loss_norm: str = "tokens"
     bce_margin: float = 0.0
+    kappa_scope: str = "per-boundary"
+    kappa_gather: bool = True
+    decider_loss_scope: str = "global"
 
     def __post_init__(self):
         if not 0.0 < self.rho <= 1.0:
@@ -128,18 +160,37 @@ class LossConfig:
             )
         if not _is_number(self.bce_margin) or self.bce_margin < 0:
             raise ValueError(f"bce_margin must be a number >= 0, got {self.bce_margin!r}")
+        if self.kappa_scope not in KAPPA_SCOPES:
+            raise ValueError(f"kappa_scope must be one of {', '.join(KAPPA_SCOPES)}, got {self.kappa_scope!r}")
+        if not isinstance(self.kappa_gather, bool):
+            raise ValueError(f"kappa_gather must be true or false, got {self.kappa_gather!r}")
+        if self.decider_loss_scope not in DECIDER_LOSS_SCOPES:
+            raise ValueError(
+                f"decider_loss_scope must be one of {', '.join(DECIDER_LOSS_SCOPES)}, got {self.decider_loss_scope!r}"
+            )
 
 
 LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossConfig))
 
-#: Fields added in retrofit 0.2 whose default changed what the model computes, with the value an older
+#: Fields added after retrofit 0.1 whose default changed what the model computes, with the value an older
 #: checkpoint (whose stored ``loop`` dict lacks the field) was trained with: ``LoopConfig.from_dict``.
+#: 0.2: the release's decider and loss guards; 0.3: the rest of the release (docs/tah2.md, "the options of
+#: the release").
 LEGACY_VALUES: dict[str, Any] = {
     "decider_arch": "ffn",
     "dyn_pos_weight": False,
     "cost_min": 0.0,
     "cost_max": None,
     "decider_loss_norm": "weights",
+    "updater": "residual",
+    "decider_state": "core",
+    "decider_topk_grad": False,
+    "decider_width_rule": "quarter",
+    "decider_init": "normal",
+    "padding_stops": False,
+    "kappa_scope": "pooled",
+    "kappa_gather": False,
+    "decider_loss_scope": "local",
 }
 
 
@@ -157,19 +208,40 @@ class LoopConfig(LossConfig):
         attention: ``"duo-causal"`` (attend to every executed depth ≤ the current one, TaH2) or
             ``"same-depth"`` (attend to each earlier token once, at depth ``min(d, d*_s)``, ANIRA).
             ``None`` picks the method's natural mode (its ``default_attention``).
+        updater: How depth ``d + 1``'s core input is made from ``e`` and the state ``s_d`` (docs/tah2.md,
+            "updater"): ``"release"`` (the TaH2 release's ``SwiGLUUpdater``, which replaces the core input;
+            PyTorch's init, so depth 2 is not depth 1 at init) or ``"residual"`` (``e + W2·SiLU(W1·)``,
+            ``W2 = 0``). Either way depth-1 exits reproduce the base model. ``None``: the method's default.
         updater_hidden: Hidden width of the updater MLP; ``None`` = the model's hidden size. Lower
             it if the heads' parameter share matters (the report in ``retrofit.model.heads``).
-        decider_hidden: Hidden width of the decider FFN; ``None`` = hidden size // 4.
-        decider_top_k: TaH2 decider input: how many top next-token probabilities it sees (§3; the
-            authors' release reads 2,048). ``0``: no probability features — the decider reads ``e`` and
+        decider_state: The state ``s_d`` the decider and the updater read after depth ``d``:
+            ``"final_norm"`` (the release's ``hidden_states[-1]``: the final norm of the core output, before
+            any coda) or ``"core"`` (the core output).
+        decider_hidden: Hidden width of the decider; ``None`` = the width of ``decider_width_rule``.
+        decider_width_rule: The decider's width when ``decider_hidden`` is None: ``"release"`` (``H``, halved
+            until the heads fit 3% of the base model, ``heads.release_decider_width``; the converted model
+            stores the width) or ``"quarter"`` (``H // 4``, retrofit < 0.3).
+        decider_top_k: TaH2 decider input: how many top next-token probabilities it sees (§3). ``None``
+            = the hidden size (the release normalizes them with an ``RMSNorm(hidden)``, so it reads ``H`` of
+            them: 2,048 for Qwen3-1.7B). ``0``: no probability features — the decider reads ``e`` and
             ``h`` only, and with ``mixture_output=False`` inference then reads out the exit depth only
             (no LM head or coda per depth: docs/tah2.md, "what a continue costs").
+        decider_topk_grad: TaH2: the top-K probabilities enter the decider with gradient (the release), so
+            ``α_D · L_D`` also shapes the LM distribution through them; ``False``: detached features.
         decider_arch: TaH2's decider: ``"swiglu"`` (the authors' release: each input part RMS-normed on
             its own, an input projection, a SwiGLU MLP, an output norm and a bias-free score layer
             drawn from N(0, ``decider_init_std``), so p ≈ 0.5 at the start) or ``"ffn"`` (retrofit < 0.2:
             one RMSNorm over the concatenated input, ``fc2(SiLU(fc1(·)))``, score bias
             ``deep_init_logit``). Checkpoints saved before the field existed load as ``"ffn"``.
         decider_init_std: std of the ``"swiglu"`` decider's score layer at init (release: 0.01).
+        decider_init: init of the ``"swiglu"`` decider's inner layers: ``"torch"`` (PyTorch's default, as the
+            release) or ``"normal"`` (N(0, ``initializer_range``), retrofit < 0.3); the score layer is
+            N(0, ``decider_init_std``) either way.
+        padding_stops: padding positions (``attention_mask == 0``) stop at depth 1 and get no lookahead
+            iteration (the release); real tokens never see padding, so their outputs are unchanged.
+        updater, decider_state, decider_width_rule, decider_topk_grad, decider_init, padding_stops: ``None`` =
+            the method's default (its ``loop_defaults``, else ``GENERIC_DEFAULTS``: the release's for TaH2), resolved
+            on construction.
         exit_threshold: TaH2's ``τ_exit``: a token stops at the first depth whose continue
             probability is below it (§3: 0.5).
         halt_threshold: ANIRA-O inference: the token stops at the first depth where the cumulative
@@ -188,7 +260,8 @@ class LoopConfig(LossConfig):
             decider). Deciders start deep (they continue at init) because shallow starts trap training
             (an ACT finding).
         alpha_d, rho, decider_weighting, gamma, prior_base, dyn_pos_weight, pos_weight, cost_min, cost_max,
-            decider_loss_norm, bce_margin: the auxiliary losses' weights and switches, inherited from
+            decider_loss_norm, bce_margin, kappa_scope, kappa_gather, decider_loss_scope: the auxiliary
+            losses' weights and switches, inherited from
             ``LossConfig`` (keyword-only); the model adds ``α_D · L_D`` (TaH2) or ``γ · L_C`` (ANIRA) to
             its loss.
     """
@@ -198,11 +271,17 @@ class LoopConfig(LossConfig):
     max_depth: int = 2
     method: str = "tah2"
     attention: str | None = None
+    updater: str | None = None
     updater_hidden: int | None = None
+    decider_state: str | None = None
     decider_hidden: int | None = None
-    decider_top_k: int = 2048
+    decider_width_rule: str | None = None
+    decider_top_k: int | None = None
+    decider_topk_grad: bool | None = None
     decider_arch: str = "swiglu"
     decider_init_std: float = 0.01
+    decider_init: str | None = None
+    padding_stops: bool | None = None
     exit_threshold: float = 0.5
     halt_threshold: float = 0.5
     mixture_output: bool = True
@@ -240,9 +319,21 @@ class LoopConfig(LossConfig):
             v = getattr(self, name)
             if not _is_number(v) or not 0.0 < v < 1.0:
                 raise LoopConfigError(f"{name} must be a number strictly between 0 and 1, got {v!r}")
-        if not _is_int(self.decider_top_k) or self.decider_top_k < 0:
+        for name, default in GENERIC_DEFAULTS.items():  # None: the method's own (resolved, so to_dict stores it)
+            if getattr(self, name) is None:
+                setattr(self, name, cls.loop_defaults.get(name, default))
+        for name, allowed in (
+            ("updater", UPDATERS),
+            ("decider_state", DECIDER_STATES),
+            ("decider_width_rule", DECIDER_WIDTH_RULES),
+            ("decider_init", DECIDER_INITS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise LoopConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.decider_top_k is not None and (not _is_int(self.decider_top_k) or self.decider_top_k < 0):
             raise LoopConfigError(
-                f"decider_top_k must be an integer >= 0 (0 = no probability features), got {self.decider_top_k!r}"
+                "decider_top_k must be None (the hidden size) or an integer >= 0 (0 = no probability features), "
+                f"got {self.decider_top_k!r}"
             )
         if self.decider_arch not in DECIDER_ARCHS:
             raise LoopConfigError(f"decider_arch must be one of {', '.join(DECIDER_ARCHS)}, got {self.decider_arch!r}")
@@ -256,7 +347,7 @@ class LoopConfig(LossConfig):
             raise LoopConfigError(f"gumbel_tau must be a number > 0, got {self.gumbel_tau!r}")
         if not _is_number(self.deep_init_logit) or not math.isfinite(self.deep_init_logit):
             raise LoopConfigError(f"deep_init_logit must be a finite number, got {self.deep_init_logit!r}")
-        for name in ("mixture_output", "fixed_graph"):
+        for name in ("mixture_output", "fixed_graph", "decider_topk_grad", "padding_stops"):
             if not isinstance(getattr(self, name), bool):
                 raise LoopConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         try:

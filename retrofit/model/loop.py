@@ -10,20 +10,24 @@ update is relaxed by a **step schedule** (``retrofit.model.schedulers``: unit or
 Per depth ``d`` (``h`` = every token's passthrough state, ``e`` = the core input)::
 
     run   = backend.begin_depth(d, active, la)      which tokens compute, and the attention mask
-    x     = e | updater(e, h)                        core input (``core_input``)
+    x     = e | updater(e, s)                        core input (``core_input``; ``s`` of depth ``d - 1``)
     raw   = backend.core(d, x, run)                  the shared core layers: ``F(h)``
     h_new = schedule.step(d, h_run, raw, ...)        relaxed step (unit: ``raw``)
     h     = run.update(h, h_new)                     passthrough: only running tokens change
+    s     = loop_state(model, h)                     what the updater and decider read (``decider_state``)
     z     = backend.readout(d, h, h_new, run, ...)   next-token logits (when anything reads them)
-    cont  = rule.decide(d, method.step(...), ...)    who continues to ``d + 1``
+    cont  = rule.decide(d, method.step(d, e, s, ...), ...)   who continues to ``d + 1``
     combiner.add(d, z, ...)                          the method's output combination (TaH2 mixture)
+
+With ``LoopConfig.padding_stops`` padding positions (``backend.real`` false) never continue past depth 1 and
+get no lookahead iteration.
 
 Per-depth primitives, for a serving engine (``retrofit.serving``) that batches rows of *different*
 depths into one core call: every primitive is elementwise over tokens, so it applies to any set of
 tokens gathered from several requests, each at its own depth:
 
-- **core input**: ``core_input(updater, e, h, first)`` with ``first`` ``[N]`` bool (tokens at depth 1
-  read ``e``; the others ``updater(e, h)``);
+- **core input**: ``core_input(updater, e, s, first)`` with ``first`` ``[N]`` bool (tokens at depth 1
+  read ``e``; the others ``updater(e, s)``, ``s = loop_state(model, h)`` of their previous depth);
 - **core**: the base decoder layers, called with a cache object whose ``update(k, v, layer_idx,
   kwargs=...)`` stores and returns the keys each query may see (``retrofit.model.cache.TaggedKV`` does so
   for one depth per call; an engine's backend keys its K/V by (token, depth) the same way);
@@ -31,7 +35,7 @@ tokens gathered from several requests, each at its own depth:
   statistics kept in ``state`` under flat token ids ``idx`` (so tokens at other depths may be mixed in
   one call only if the schedule is the unit step, or if calls are grouped by depth);
 - **readout**: ``model.lm_head(model.model.norm(h))`` (plus the coda for a model with one);
-- **decider**: ``method.step(d, e, h, probs, ctx)`` on any token set (TaH2's ``continue_prob``,
+- **decider**: ``method.step(d, e, s, probs, ctx)`` on any token set (TaH2's ``continue_prob``,
   ANIRA-O's ``halt_prob``); per-token state lives in ``ctx`` (one ``HaltContext`` per request);
 - **exit rule**: ``rule.decide(d, cont, ...)``; ``ForcedExit`` and ``DeciderExit`` are elementwise,
   ``PolicyExit`` keeps per-token memory under flat ids;
@@ -162,10 +166,18 @@ def exit_rule_for(depth: torch.Tensor | None, policy) -> ExitRule:
 # The loop
 # ------------------------------------------------------------------------------------------------
 def core_input(updater, e: torch.Tensor, h: torch.Tensor | None, first: bool | torch.Tensor) -> torch.Tensor:
-    """The core's input: ``e`` at depth 1, ``updater(e, h)`` after (``first``: a bool, or ``[N]`` per token)."""
+    """The core's input: ``e`` at depth 1, ``updater(e, h)`` after (``first``: a bool, or ``[N]`` per token);
+    ``h`` is the previous depth's state as the updater reads it (``loop_state``)."""
     if isinstance(first, bool):
         return e if first else updater(e, h)
     return torch.where(first[..., None], e, updater(e, h))
+
+
+def loop_state(model, h: torch.Tensor) -> torch.Tensor:
+    """The state ``s_d`` the updater and the decider read after depth ``d`` (``LoopConfig.decider_state``):
+    ``model.model.norm(h)`` under ``"final_norm"`` (the TaH2 release's ``hidden_states[-1]``; with a coda, the
+    final norm of the core output, before the coda) or ``h`` itself under ``"core"``. ``h``: ``[..., H]``."""
+    return model.model.norm(h) if model.loop.decider_state == "final_norm" else h
 
 
 @dataclass
@@ -256,10 +268,14 @@ def run_depth_loop(
     pick = (lambda t: t.reshape(-1).index_select(0, rows)) if rows is not None else (lambda t: t)
 
     act = backend.first_active(B, T)
+    # padding never continues (LoopConfig.padding_stops): it runs depth 1 only and gets no lookahead row
+    real = backend.real if loop.padding_stops and not bool(backend.real.all()) else None
+    topk_grad = contextlib.nullcontext if loop.decider_topk_grad else torch.no_grad
     # active[j]: token executed depth j + 1; a list, since tensors saved for backward must not be
     # modified in place
     active = [act]
     h = e
+    s = None  # the state the updater and the decider read (loop_state)
     states: list[torch.Tensor] = []
     depth_nll = torch.full((B, T, D), float("nan"), device=e.device) if shift_labels is not None else None
     depth_logits = [] if output_depth_logits else None
@@ -271,13 +287,17 @@ def run_depth_loop(
         d_last = d
         no_grad = backprop_depth is not None and d <= n_unroll - backprop_depth
         with torch.no_grad() if no_grad else contextlib.nullcontext():
-            x = core_input(model.updater, run.gather(e), None if d == 1 else run.gather(h), d == 1)
+            x = core_input(model.updater, run.gather(e), None if d == 1 else run.gather(s), d == 1)
             raw = run.take(backend.core(d, x, run))  # [N, H]
         h_new = raw if (d == 1 or unit) else schedule.step(d, run.select(h), raw, sstate, run.idx)
         h = run.update(h, h_new)
         states.append(h)
+        if d < D_run:
+            s = loop_state(model, h)
 
         la = (~act) & active[d - 2] if (lookahead and d >= 2) else None  # exited at d - 1: lookahead rows
+        if la is not None and real is not None:
+            la = la & real
         z_run = z_full = z_loss = logp = None
         if readout:
             if rows is None:
@@ -318,10 +338,12 @@ def run_depth_loop(
             if rule.runs_decider:
                 probs = None
                 if combiner is not None:
-                    with torch.no_grad():  # decider features: no gradient into the LM through them
+                    with topk_grad():  # decider features; with gradient into the LM under decider_topk_grad
                         probs = z_full.float().softmax(-1)
-                cont = method.step(d, e, model.model.norm(h) if method.reads_final_norm else h, probs, ctx)
+                cont = method.step(d, e, s, probs, ctx)
             nxt = act & rule.decide(d, cont, act, run, run.select(h) if rule.needs_states else None, z_run)
+            if real is not None:
+                nxt = nxt & real
         else:
             nxt = torch.zeros_like(act)
         stop = act & ~nxt

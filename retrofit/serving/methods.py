@@ -4,7 +4,8 @@ exit rule and the output combination (TaH2's mixture).
 The engine batches rows of many sequences, each at its own depth, into one core call; every primitive of
 the depth loop is elementwise over tokens, so the engine calls the loop's own pieces (docs/):
 
-- **core input**: ``retrofit.model.loop.core_input`` (``e`` at depth 1, ``updater(e, h)`` after);
+- **core input**: ``retrofit.model.loop.core_input`` (``e`` at depth 1, ``updater(e, s)`` after, ``s`` the
+  state of ``retrofit.model.loop.loop_state``);
 - **step schedule**: ``schedule.step(d, h_prev, raw, state, idx)`` per depth, its state from
   ``schedule.init`` under the engine's row slots (TAPS' statistics are reset when a slot takes a new token);
 - **decider**: the halting method's own ``new_context`` / ``plan`` / ``step`` (ANIRA-E's plan on the
@@ -40,7 +41,7 @@ import torch
 
 from ..model.halting.base import ExitLogits
 from ..model.halting.training_free import ExitPolicy, resolve_exit_policy
-from ..model.loop import DeciderExit, ForcedExit, PolicyExit, core_input
+from ..model.loop import DeciderExit, ForcedExit, PolicyExit, core_input, loop_state
 from ..model.schedulers import TAPS, build_step_schedule
 
 
@@ -227,8 +228,10 @@ class MethodAdapter:
             self.ctx_rows.save(rows, ctx.extra)
 
     def core_input(self, e: torch.Tensor, h: torch.Tensor, first: torch.Tensor, any_first: bool, all_first: bool):
-        """``e`` at depth 1, ``updater(e, h)`` after: ``[n, H]`` (``first`` ``[n]`` bool)."""
-        return core_input(self.model.updater, e, h, True if all_first else (first if any_first else False))
+        """``e`` at depth 1, ``updater(e, s)`` after (``s = loop_state(h)``): ``[n, H]`` (``first`` ``[n]`` bool)."""
+        if all_first:
+            return e
+        return core_input(self.model.updater, e, loop_state(self.model, h), first if any_first else False)
 
     def relax(
         self,
@@ -273,8 +276,8 @@ class MethodAdapter:
             ctx = self.method.new_context(False)
             ctx.extra.update(self.ctx_rows.load(rows))
             probs = z.float().softmax(-1)[:, None] if self.method.needs_depth_readout else None
-            hs = self.model.model.norm(h) if self.method.reads_final_norm else h  # the state the method reads
-            c = self.method.step(0, e[:, None], hs[:, None], probs, ctx)  # (d is unused by the methods' step)
+            state = loop_state(self.model, h)  # what the decider reads (LoopConfig.decider_state)
+            c = self.method.step(0, e[:, None], state[:, None], probs, ctx)  # (d is unused by the methods' step)
             self.ctx_rows.save(rows, ctx.extra)
             if ctx.signals and self.method.needs_depth_readout:
                 signal = ctx.signals[-1][:, 0]

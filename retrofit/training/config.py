@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from trl import SFTConfig
 
-from ..model.config import LOSS_FIELDS
+from ..model.config import LOSS_FIELDS, LoopConfigError
 from ..model.halting.base import LossConfig
 
 
@@ -65,6 +65,36 @@ class RetrofitSFTConfig(SFTConfig):
     )
     bce_margin: float | None = field(
         default=None, metadata={"help": "TaH2: BCE margin m in logit space (the release's bce_margin) [0]."}
+    )
+    kappa_scope: str | None = field(
+        default=None,
+        metadata={
+            "help": "TaH2 at max_depth >= 3: 'per-boundary' = one cutoff κ per depth boundary over the tokens "
+            "labelled continue at the boundary before, the others' later decisions at weight cost_min (the "
+            "release) [default]; 'pooled' = one κ over every decision. Identical at max_depth 2."
+        },
+    )
+    kappa_gather: bool | None = field(
+        default=None,
+        metadata={
+            "help": "TaH2: gather the cutoff's gains from every data-parallel rank, so all ranks use one κ (the "
+            "release) [true]; false = κ per process."
+        },
+    )
+    decider_loss_scope: str | None = field(
+        default=None,
+        metadata={
+            "help": "TaH2: 'global' = divide L_D by num_items_in_batch (labelled tokens of every rank and "
+            "accumulation step) and scale it like the LM loss (the release) [default]; 'local' = divide by the "
+            "micro-batch's labelled tokens and by the accumulation steps."
+        },
+    )
+    decay_norms: bool = field(
+        default=False,
+        metadata={
+            "help": "Apply weight decay to norm weights too (every parameter but biases), as the TaH2 release "
+            "does; false = transformers' rule (no decay on biases and on the norm weights it recognizes by name)."
+        },
     )
     depth_warmup_steps: int = field(
         default=0,
@@ -160,7 +190,10 @@ class RetrofitSFTConfig(SFTConfig):
                 f"({self.depth_warmup_steps}), got {v!r}"
             )
         self.depth_schedule_steps  # noqa: B018  (validates depth_schedule)
-        _ = self.loss_config  # validates the loss weights and switches
+        try:
+            _ = self.loss_config  # validates the loss weights and switches
+        except ValueError as e:  # a user error: one line from the recipes (LoopConfigError is a RetrofitUserError)
+            raise LoopConfigError(str(e)) from None
         super().__post_init__()
 
     @property

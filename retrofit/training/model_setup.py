@@ -122,7 +122,9 @@ def build_looped_model(spec: str, loop: LoopConfig, dtype=None, attn_implementat
     base, tok = load_model(spec, dtype=dtype, **extra)
     if isinstance(base, LoopedForCausalLM):
         have = base.loop
-        if have.to_dict() != {**loop.to_dict(), "fixed_graph": have.fixed_graph}:
+        # a field the request leaves None (decider_top_k, decider_hidden) was resolved into the checkpoint
+        want = {k: v for k, v in loop.to_dict().items() if v is not None}
+        if {k: v for k, v in have.to_dict().items() if k in want} != {**want, "fixed_graph": have.fixed_graph}:
             logger.warning("%s is already looped with %s; ignoring the requested %s", spec, have, loop)
         if loop.fixed_graph and not have.fixed_graph:
             base.config.loop = {**base.config.loop, "fixed_graph": True}
@@ -164,9 +166,60 @@ class LoopArgs:
     exit_threshold: float = field(
         default=0.5, metadata={"help": "tah2: τ_exit, stop at the first depth whose continue prob < τ."}
     )
-    decider_top_k: int = field(
-        default=2048,
-        metadata={"help": "tah2: top-K next-token probabilities the decider reads (the release: 2048; 0 = none)."},
+    decider_top_k: int | None = field(
+        default=None,
+        metadata={
+            "help": "tah2: top-K next-token probabilities the decider reads; None = the hidden size (the release: "
+            "its RMSNorm(hidden) over them reads H of them); 0 = none."
+        },
+    )
+    decider_topk_grad: bool | None = field(
+        default=None,
+        metadata={
+            "help": "tah2: the top-K probabilities enter the decider with gradient, so the decider loss also "
+            "shapes the LM distribution (the release); false = detached. None = the method's default (true)."
+        },
+    )
+    updater: str | None = field(
+        default=None,
+        metadata={
+            "help": "How depth d+1's core input is made: 'release' (the TaH2 release's SwiGLU updater, replaces the "
+            "core input, PyTorch init) or 'residual' (e + a zero-initialized MLP). None = the method's default "
+            "(release for tah2, residual otherwise).",
+            "choices": ["release", "residual"],
+        },
+    )
+    decider_state: str | None = field(
+        default=None,
+        metadata={
+            "help": "The state the decider and updater read after each depth: 'final_norm' (the final norm of the "
+            "core output, the release) or 'core' (the core output). None = the method's default (final_norm for "
+            "tah2, core otherwise).",
+            "choices": ["final_norm", "core"],
+        },
+    )
+    decider_width_rule: str | None = field(
+        default=None,
+        metadata={
+            "help": "Decider width when --decider_hidden is not set: 'release' (hidden size, halved until the heads "
+            "fit 3%% of the base) or 'quarter' (hidden size / 4). None = the method's default (release for tah2).",
+            "choices": ["release", "quarter"],
+        },
+    )
+    decider_init: str | None = field(
+        default=None,
+        metadata={
+            "help": "tah2 'swiglu' decider's inner layers at init: 'torch' (PyTorch's default, the release) or "
+            "'normal' (N(0, initializer_range)). None = the method's default (torch for tah2).",
+            "choices": ["torch", "normal"],
+        },
+    )
+    padding_stops: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Padding positions stop at depth 1 and get no lookahead iteration (the release); false = padding "
+            "runs the loop. None = the method's default (true for tah2)."
+        },
     )
     decider_arch: str = field(
         default="swiglu",
@@ -191,7 +244,9 @@ class LoopArgs:
     )
     gumbel_tau: float = field(default=1.0, metadata={"help": "anira-e training: Gumbel-softmax temperature."})
     updater_hidden: int | None = field(default=None, metadata={"help": "Updater MLP width; None = hidden size."})
-    decider_hidden: int | None = field(default=None, metadata={"help": "Decider FFN width; None = hidden size / 4."})
+    decider_hidden: int | None = field(
+        default=None, metadata={"help": "Decider width; None = the width of --decider_width_rule."}
+    )
     deep_init_logit: float = field(
         default=3.0, metadata={"help": "Initial continue logit of the deciders (> 0 = start deep; σ(3) = 0.95)."}
     )

@@ -45,6 +45,7 @@ import contextlib
 from trl import SFTTrainer
 
 from ..model.halting.base import AuxLoss
+from ..model.halting.tah2 import next_token_mask
 from ..model.modeling import LoopedForCausalLM
 from .checkpointing import remove_stale_staging
 from .config import RetrofitSFTConfig
@@ -119,6 +120,14 @@ class RetrofitSFTTrainer(NanGuardMixin, CheckpointMixin, DepthMetricsMixin, SFTT
             remove_stale_staging(self.args.output_dir)
 
     # -- optimizer ---------------------------------------------------------------------------------
+    def get_decay_parameter_names(self, model) -> list[str]:
+        """transformers' rule (no decay on biases and on the norm weights it recognizes by name), or with
+        ``decay_norms`` the TaH2 release's: weight decay on every parameter but biases, norm weights included
+        (docs/tah2.md, "optimization")."""
+        if not self.args.decay_norms:
+            return super().get_decay_parameter_names(model)
+        return [n for n, _ in model.named_parameters() if "bias" not in n.rsplit(".", 1)[-1]]
+
     def create_optimizer(self, model=None):
         """The standard optimizer, with the updater (``updater.*``) at ``learning_rate × heads_lr_scale`` and the
         decider (``halting.*``) at ``learning_rate × decider_lr_scale`` (default: ``heads_lr_scale``), each scale
@@ -202,12 +211,33 @@ class RetrofitSFTTrainer(NanGuardMixin, CheckpointMixin, DepthMetricsMixin, SFTT
             # before anything reads the outputs further. The forward already turned a non-finite decider
             # into a NaN auxiliary loss instead of running TaH2's BCE on it (which raises on NaN input)
             self._check_finite(ntp, outputs=outputs)
-        # the auxiliary loss is a per-micro-batch mean: when num_items_in_batch is given the Trainer no
-        # longer divides by the accumulation steps, so we do (as TRL does for the MoE aux loss)
-        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None and mode == "train" else 1
-        if scale != 1 or (weighted_aux is not None and steps != 1):
-            loss = ntp * scale + (weighted_aux / steps if weighted_aux is not None else 0)
-        aux = AuxLoss(weighted_aux, outputs.aux_metrics or {}) if weighted_aux is not None else None
+        per_item = (
+            weighted_aux is not None
+            and num_items_in_batch is not None
+            and method.aux_loss_per_item(self._looped.loop.loss_config)
+        )
+        if per_item:
+            # the method divided its loss by num_items_in_batch too (TaH2's decider_loss_scope="global"):
+            # both parts are sums over the global labelled tokens, scaled alike
+            if scale != 1:
+                loss = outputs.loss * scale
+        else:
+            # the auxiliary loss is a per-micro-batch mean: when num_items_in_batch is given the Trainer no
+            # longer divides by the accumulation steps, so we do (as TRL does for the MoE aux loss)
+            steps = (
+                self.current_gradient_accumulation_steps if num_items_in_batch is not None and mode == "train" else 1
+            )
+            if scale != 1 or (weighted_aux is not None and steps != 1):
+                loss = ntp * scale + (weighted_aux / steps if weighted_aux is not None else 0)
+        aux = None
+        if weighted_aux is not None:
+            # logged per labelled token of this micro-batch whatever the normalizer (comparable across runs)
+            shown = (
+                weighted_aux * (num_items_in_batch / next_token_mask(labels).sum().clamp_min(1))
+                if per_item
+                else weighted_aux
+            )
+            aux = AuxLoss(shown, outputs.aux_metrics or {})
 
         if mode == "train":
             # guards the total loss (next-token and auxiliary parts alike) before the backward pass

@@ -49,6 +49,13 @@ TRAINING_ONLY = (
     "decider_loss_norm",
     "bce_margin",
     "decider_init_std",
+    "decider_init",
+    "decider_topk_grad",
+    "kappa_scope",
+    "kappa_gather",
+    "decider_loss_scope",
+    # vLLM schedules real tokens only: there is no padding to stop
+    "padding_stops",
 )
 INFERENCE_FIELDS = (
     "prelude",
@@ -56,8 +63,11 @@ INFERENCE_FIELDS = (
     "max_depth",
     "method",
     "attention",
+    "updater",
     "updater_hidden",
+    "decider_state",
     "decider_hidden",
+    "decider_width_rule",
     "decider_top_k",
     "decider_arch",
     "exit_threshold",
@@ -65,6 +75,9 @@ INFERENCE_FIELDS = (
     "mixture_output",
     "options",  # a method's own options (none for the methods served here)
 )
+#: what the plugin serves of the fields whose values it cannot all serve (absent: the value of checkpoints
+#: written before the field existed, retrofit.model.config.LEGACY_VALUES)
+SERVED_VALUES = {"updater": ("residual",), "decider_state": ("core",)}
 #: config attribute that forces every token to one depth (set it with vLLM's ``hf_overrides``)
 SERVE_DEPTH_ATTR = "retrofit_depth"
 
@@ -88,8 +101,9 @@ class LoopSpec:
         prelude / core / coda: layer index ranges.
         max_depth: ``D``.
         method / attention: see ``retrofit.LoopConfig``; ``attention`` is resolved (never None).
-        updater_hidden / decider_hidden: head widths (defaults resolved: ``H`` and ``max(1, H // 4)``).
-        top_k: TaH2 decider's top-K probability features (0: none).
+        updater_hidden / decider_hidden: head widths (defaults resolved: ``H``, and ``H`` under
+            ``decider_width_rule="release"`` — a converted model stores the width it chose — or ``max(1, H // 4)``).
+        top_k: TaH2 decider's top-K probability features (0: none; None in the checkpoint: ``H``).
         decider_arch: TaH2 decider's body, ``"swiglu"`` (the authors' release) or ``"ffn"`` (checkpoints
             written before the field existed).
         exit_threshold / halt_threshold: TaH2's ``τ_exit``; ANIRA-O's inference ``u``.
@@ -164,6 +178,15 @@ def loop_spec(config) -> LoopSpec:
     types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in types):
         raise _error(f"only full-attention layers can be looped; layer_types has {sorted(set(types))}")
+    for name, served in SERVED_VALUES.items():
+        value = loop.get(name, served[0])
+        if value not in served:
+            raise LoopSpecError(
+                f"config.loop has {name}={value!r}, which the vLLM plugin does not serve (it serves {name} "
+                f"{' or '.join(repr(v) for v in served)}: the TaH2 release's updater and its final-norm decider state "
+                "are not rebuilt from vLLM layers yet); serve this checkpoint with retrofit itself (`retrofit serve`, "
+                "`retrofit generate`, or the HF model's generate())"
+            )
     depth = getattr(config, SERVE_DEPTH_ATTR, None)
     if depth is not None and not (isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= D):
         raise LoopSpecError(f"{SERVE_DEPTH_ATTR}={depth!r} is out of range: allowed None (the decider) or 1..{D}")
@@ -175,8 +198,9 @@ def loop_spec(config) -> LoopSpec:
         method=method,
         attention=attention,
         updater_hidden=loop.get("updater_hidden") or H,
-        decider_hidden=loop.get("decider_hidden") or max(1, H // 4),
-        top_k=loop.get("decider_top_k", 10),
+        decider_hidden=loop.get("decider_hidden")
+        or (H if loop.get("decider_width_rule", "quarter") == "release" else max(1, H // 4)),
+        top_k=H if loop.get("decider_top_k", 10) is None else loop.get("decider_top_k", 10),
         decider_arch=loop.get("decider_arch", "ffn"),  # absent: written before the release's decider existed
         exit_threshold=float(loop.get("exit_threshold", 0.5)),
         halt_threshold=float(loop.get("halt_threshold", 0.5)),

@@ -221,8 +221,10 @@ LOOP_CASES = [
     (["--core", "0"], "core must be None"),
     (["--exit_threshold", "1.5"], "exit_threshold must be a number strictly between 0 and 1"),
     (["--train_decisions", "coin"], "train_decisions must be 'threshold' or 'sample'"),
-    (["--decider_top_k", "-1"], "decider_top_k must be an integer >= 0"),
+    (["--decider_top_k", "-1"], "decider_top_k must be None (the hidden size) or an integer >= 0"),
     (["--updater_hidden", "-4"], "updater_hidden must be None or a positive integer"),
+    (["--kappa_scope", "global"], "kappa_scope must be one of per-boundary, pooled"),
+    (["--decider_loss_scope", "rank"], "decider_loss_scope must be one of global, local"),
 ]
 
 

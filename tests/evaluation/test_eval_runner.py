@@ -813,13 +813,13 @@ def test_forced_depths_from_one_forward_equal_separate_passes(tok, loop, split, 
         monkeypatch.setattr(TF, "_DEPTH_LOGITS_BUDGET", 1)
     from retrofit.evaluation.decoding import stop_rule
     from retrofit.evaluation.teacher_forced import argmax_pass, forced_depths_argmax
-    from retrofit.testing import tiny_base
+    from retrofit.testing import perturb_updater, tiny_base
 
     with torch.random.fork_rng():
         torch.manual_seed(4)
         model = retrofit.convert(tiny_base("llama", seed=4), retrofit.LoopConfig(**loop)).eval()
         with torch.no_grad():
-            model.updater.w2.weight.normal_(0.0, 0.5)  # depths really differ
+            perturb_updater(model, 0.5)  # depths really differ
     rows = R.task_rows("mano", [2, 3, 4], n=4, seed=5)
     opts = EvalOptions(accuracy="teacher_forced_argmax", progress=False, batch_size=5)
     examples = prepare(rows, tok, opts)

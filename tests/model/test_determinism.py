@@ -20,7 +20,7 @@ import retrofit
 import retrofit.model.depth_attention as da
 from retrofit import LoopConfig
 from retrofit.model.attention import depth_key_visibility
-from retrofit.testing import spread_decider, tiny_base
+from retrofit.testing import perturb_updater, spread_decider, tiny_base
 
 REPEATS = 10
 ATOL = 2e-5
@@ -33,7 +33,7 @@ def _looped(method, attention, max_depth=3, impl="sdpa", seed=3, train=False):
         LoopConfig(prelude=1, core=3, max_depth=max_depth, method=method, attention=attention),
     )
     with torch.no_grad():  # a non-trivial updater and decider: mixed exits
-        model.updater.w2.weight.normal_(0.0, 0.05)
+        perturb_updater(model, 0.05)
         if method == "tah2":
             spread_decider(model, logit_std=2.0)
         if method == "anira-e":

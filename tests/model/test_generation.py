@@ -94,18 +94,23 @@ def test_left_padding_matches_full_forward(split, attention):
     assert cache.executed_pairs() == int(DEPTHS[real].sum())
 
 
+#: the TaH2 release's options next to each other value (docs/tah2.md); "defaults" are the method's own (TaH2's: the
+#: release's)
+RELEASE_OPTIONS = {
+    "defaults": {},
+    "legacy": {"updater": "residual", "decider_state": "core", "decider_topk_grad": False, "padding_stops": False},
+    "release-updater-core-state": {"updater": "release", "decider_state": "core"},
+    "residual-updater-final-norm": {"updater": "residual", "decider_state": "final_norm"},
+}
+
+
 @pytest.mark.parametrize(
-    "method,split,seed",
-    [
-        ("tah2", "whole", 3),
-        ("tah2", "middle", 2),
-        ("anira-o", "middle", 1),
-        ("anira-e", "whole", 1),
-        ("ouro", "whole", 2),
-    ],
+    "method,split,seed,options",
+    [(m, sp, sd, "defaults") for m, sp, sd in [("anira-o", "middle", 1), ("anira-e", "whole", 1), ("ouro", "whole", 2)]]
+    + [(m, sp, sd, o) for m, sp, sd in [("tah2", "whole", 3), ("tah2", "middle", 2)] for o in RELEASE_OPTIONS],
 )
-def test_decider_depths_and_logits_match_full_forward(method, split, seed):
-    model = looped("llama", method, split, head_seed=seed)
+def test_decider_depths_and_logits_match_full_forward(method, split, seed, options):
+    model = looped("llama", method, split, head_seed=seed, **RELEASE_OPTIONS[options])
     with torch.no_grad():
         full = model(IDS)
     assert len(full.depths.unique()) > 1, "the test needs mixed depths"
@@ -176,10 +181,19 @@ PROMPTS = ["hello world", "hi", "abc def g"]
 
 
 @pytest.mark.parametrize(
-    "method,split,seed", [("tah2", "whole", 3), ("anira-o", "middle", 1), ("anira-e", "whole", 1), ("ouro", "whole", 2)]
+    "method,split,seed,options",
+    [
+        ("tah2", "whole", 3, "defaults"),
+        ("tah2", "middle", 2, "legacy"),
+        ("tah2", "middle", 2, "release-updater-core-state"),
+        ("tah2", "whole", 3, "residual-updater-final-norm"),
+        ("anira-o", "middle", 1, "defaults"),
+        ("anira-e", "whole", 1, "defaults"),
+        ("ouro", "whole", 2, "defaults"),
+    ],
 )
-def test_batched_left_padded_generation_equals_one_by_one(tok, method, split, seed):
-    model = looped("llama", method, split, head_seed=seed)
+def test_batched_left_padded_generation_equals_one_by_one(tok, method, split, seed, options):
+    model = looped("llama", method, split, head_seed=seed, **RELEASE_OPTIONS[options])
     enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
     out = model.generate(**enc, max_new_tokens=10, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
     assert isinstance(out, LoopedGenerateOutput)

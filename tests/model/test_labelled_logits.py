@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import retrofit
-from retrofit.testing import spread_decider, tiny_base
+from retrofit.testing import perturb_updater, spread_decider, tiny_base
 
 CASES = [
     ("llama", dict(method="tah2", max_depth=3, prelude=1, core=3)),  # coda of 2 layers
@@ -28,7 +28,7 @@ def _model(family, loop, seed=0):
     torch.manual_seed(seed)
     model = retrofit.convert(tiny_base(family, seed=seed), retrofit.LoopConfig(**loop)).train()
     with torch.no_grad():  # mixed exits (lookahead tokens exist) and a non-trivial updater
-        model.updater.w2.weight.normal_(0.0, 0.05)
+        perturb_updater(model, 0.05)
         if loop["method"] == "tah2":  # continue logits ~ N(0, 4): about half the tokens stop at each depth
             spread_decider(model, logit_std=2.0)
         else:

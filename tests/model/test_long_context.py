@@ -19,7 +19,7 @@ import retrofit.model.depth_attention as da
 from retrofit import LoopConfig
 from retrofit.model.attention import base_visibility, depth_key_visibility
 from retrofit.model.backends import DepthKVStore
-from retrofit.testing import spread_decider, tiny_base
+from retrofit.testing import perturb_updater, spread_decider, tiny_base
 
 ATOL, G_ATOL, G_RTOL = 2e-5, 1e-5, 1e-4
 
@@ -31,7 +31,7 @@ def _looped(method, attention, max_depth, family="llama", impl="sdpa", seed=3):
         LoopConfig(prelude=1, core=3, max_depth=max_depth, method=method, attention=attention),
     ).train()
     with torch.no_grad():  # a non-trivial updater and mixed exits
-        model.updater.w2.weight.normal_(0.0, 0.05)
+        perturb_updater(model, 0.05)
         if method == "tah2":
             spread_decider(model, logit_std=2.0)
         if method == "anira-e":

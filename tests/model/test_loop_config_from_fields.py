@@ -27,6 +27,13 @@ OTHER = {
     "updater_hidden": 33,
     "decider_hidden": 9,
     "deep_init_logit": 1.5,
+    # None = the method's default; anira-o's are residual / core / False / quarter / normal / False
+    "updater": "release",
+    "decider_state": "final_norm",
+    "decider_topk_grad": True,
+    "decider_width_rule": "release",
+    "decider_init": "torch",
+    "padding_stops": True,
 }
 
 
@@ -58,3 +65,20 @@ def test_retrofit_convert_flags_build_the_loop_config():
     assert LoopConfig.from_fields(args) == LoopConfig(
         prelude=1, core=2, max_depth=3, method="anira-e", attention="duo-causal", updater_hidden=16, decider_hidden=8
     )
+    release = p.parse_args(
+        "--model tiny-llama --out x --updater release --decider-state final_norm --decider-width-rule release "
+        "--decider-top-k 5 --decider-topk-grad false --decider-init normal --padding-stops true --method fixed".split()
+    )
+    assert LoopConfig.from_fields(release) == LoopConfig(
+        method="fixed",
+        updater="release",
+        decider_state="final_norm",
+        decider_width_rule="release",
+        decider_top_k=5,
+        decider_topk_grad=False,
+        decider_init="normal",
+        padding_stops=True,
+    )
+    # unset, they are the method's own defaults
+    assert LoopConfig.from_fields(p.parse_args("--model m --out x".split())).updater == "release"
+    assert LoopConfig.from_fields(p.parse_args("--model m --out x --method fixed".split())).updater == "residual"

@@ -127,7 +127,8 @@ def hand_unrolled_taps(model, ids, depth, **taps):
     deltas = [[[] for _ in range(T)] for _ in range(B)]
     etas = []
     for d in range(2, depth + 1):
-        raw = stack(model.core_layers, model.updater(e, h))
+        state = model.model.norm(h) if model.loop.decider_state == "final_norm" else h  # what the updater reads
+        raw = stack(model.core_layers, model.updater(e, state))
         delta = raw - h
         eta = torch.zeros(B, T)
         for b in range(B):

@@ -264,6 +264,25 @@ def test_greedy_tokens_equal_generate_alone(family, method, split, head_seed, at
     assert any(h.finish_reason == "cancelled" for h in handles)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"updater": "residual", "decider_state": "core"},  # retrofit's own choices
+        {"updater": "release", "decider_state": "core"},
+        {"updater": "residual", "decider_state": "final_norm"},
+    ],
+)
+def test_tah2_release_options_serve_like_generate(options):
+    """The updater and the state it and the decider read (the TaH2 release's defaults run in the CONFIGS above):
+    every other combination, token for token and depth for depth as ``generate``."""
+    model = looped("qwen3", "tah2", "middle", head_seed=2, **options)
+    assert {k: model.loop.to_dict()[k] for k in options} == options
+    reqs = random_requests(random.Random(11), list(EXITS.values()), n=8, cancel=2)
+    eng, handles = run_trace(model, reqs)
+    seen = check_against_generate(model, eng, reqs, handles)
+    assert len(seen) > 1, "the trace needs mixed exit depths"
+
+
 def test_tah2_exit_depth_output_ablation_equals_generate():
     """TaH2 with ``mixture_output=False``: the engine's combiner is the exit depth's logits (``ExitLogits``),
     for every exit rule, token for token as ``generate``."""
@@ -532,7 +551,7 @@ def test_core_kv_layout_matches_a_brute_force_log(attention, core_bs):
 
 def test_sampling_is_reproducible_per_seed_whatever_the_batch():
     model = looped("llama", "tah2", "whole", head_seed=4)
-    p = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=8, seed=123)
+    p = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=8, seed=123, ignore_eos=True)  # 8 tokens
 
     def alone():
         eng = Engine(model, TOK, max_seqs=2, kv_budget_bytes=8 << 20)

@@ -15,7 +15,7 @@ import retrofit
 from retrofit.model.config import LoopConfig
 from retrofit.model.halting.training_free import RandomContinue, continue_rate_for_mean_depth
 from retrofit.model.heads import SwiGLUDecider
-from retrofit.testing import char_tokenizer, spread_decider, tiny_base
+from retrofit.testing import char_tokenizer, perturb_updater, spread_decider, tiny_base
 from retrofit.training import RetrofitSFTConfig, RetrofitSFTTrainer
 from retrofit.training.checkpointing import last_checkpoint
 
@@ -212,7 +212,7 @@ def test_depth_cap_bounds_depth_and_lookahead():
 def test_depth_supervision_is_the_mean_of_every_depths_own_loss(method):
     m = _model(method, max_depth=3).train()
     with torch.no_grad():
-        m.updater.w2.weight.normal_(0, 0.05)
+        perturb_updater(m, 0.05)
     ids = _ids()
     labels = ids.clone()
     labels[:, :5] = -100
@@ -225,15 +225,19 @@ def test_depth_supervision_is_the_mean_of_every_depths_own_loss(method):
     ]
     torch.testing.assert_close(out.depth_ce, torch.stack(per_depth).detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.loss, torch.stack(per_depth).mean(), atol=1e-5, rtol=1e-5)
+
+    def updater_grad():
+        return sum(p.grad.abs().sum() for p in m.updater.parameters() if p.grad is not None)
+
     out.loss.backward()
-    assert m.updater.w2.weight.grad.abs().sum() > 0  # depths 2 and 3 get next-token gradient
+    assert updater_grad() > 0  # depths 2 and 3 get next-token gradient
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in m.halting.parameters())  # no decider
     # every depth's own loss has gradient: each alone moves the updater (depth 1 does not use it)
     for d in (1, 2):
         m.zero_grad()
         out = m(ids, labels=labels, depth_supervision=True)
         out.depth_ce[d].backward()
-        assert m.updater.w2.weight.grad.abs().sum() > 0
+        assert updater_grad() > 0
     with pytest.raises(ValueError, match="depth_supervision"):
         m(ids, labels=labels, depth_supervision=True, depth=2)
 

@@ -14,7 +14,7 @@ from sft_setup import sft_config
 
 from retrofit.model.config import LoopConfig
 from retrofit.model.convert import convert
-from retrofit.testing import char_tokenizer, spread_decider, tiny_base
+from retrofit.testing import char_tokenizer, perturb_updater, spread_decider, tiny_base
 from retrofit.training import RetrofitSFTTrainer, format_sft_dataset
 
 
@@ -30,7 +30,7 @@ def _model(loop: dict):
     torch.manual_seed(3)
     model = convert(tiny_base("llama", seed=3), LoopConfig(**loop)).train()
     with torch.no_grad():  # a non-trivial updater and, for TaH2, mixed exits
-        model.updater.w2.weight.normal_(0.0, 0.05)
+        perturb_updater(model, 0.05)
         if loop["method"] == "tah2":
             spread_decider(model, logit_std=2.0)
     return model

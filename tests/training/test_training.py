@@ -15,7 +15,7 @@ from sft_setup import LOGGED_RUN, sft_config
 from transformers import TrainerCallback
 
 import retrofit
-from retrofit.testing import char_tokenizer, tiny_base
+from retrofit.testing import char_tokenizer, perturb_updater, tiny_base
 from retrofit.training import (
     BadDataError,
     NonFiniteLossError,
@@ -186,8 +186,7 @@ def _one_batch(trainer):
 def test_compute_loss_runs_the_looped_forward_plus_aux(tmp_path):
     tr = make_trainer(tmp_path, "tah2")
     model = tr.model.train()
-    # at init (zero updater output) the loop reproduces the base model: make depth 2 differ
-    torch.nn.init.normal_(model.updater.w2.weight, std=0.5)
+    perturb_updater(model, 0.5)  # a residual updater reproduces depth 1 at init: make depth 2 differ
     inputs = _one_batch(tr)
     loss = tr.compute_loss(model, dict(inputs))
     ref = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"])
@@ -299,6 +298,62 @@ def test_gradient_accumulation_matches_a_big_batch(tmp_path):
     assert torch.allclose(params[0], params[1], atol=1e-6)
 
 
+def test_decider_gradients_of_a_batch_equal_its_accumulated_halves(tmp_path):
+    """Batch 4 × 1 step = batch 2 × 2 accumulation steps for the decider's gradients (one process), under the
+    TaH2 release's normalizer: the decider loss divided by the global ``num_items_in_batch`` and scaled like the LM
+    loss. Its labels and weights are made independent of the batch (ρ = 1 keeps every positive gain: "continue"
+    iff δ > 0; uniform weights; a static pos_weight). The rows have different numbers of labelled tokens, so the
+    per-micro-batch normalizer (``decider_loss_scope="local"``) breaks the invariant."""
+    from retrofit.testing import spread_decider
+
+    tr = make_trainer(tmp_path, "tah2", rho=1.0, decider_weighting="uniform", dyn_pos_weight=False)
+    model = tr.model.train()
+    spread_decider(model, logit_std=2.0, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(4, 104, (4, 12), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    for i, prompt in enumerate([2, 7, 3, 9]):
+        labels[i, :prompt] = -100
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+    n_items = (labels[:, 1:] != -100).sum()
+    params = [p for n, p in model.named_parameters() if n.startswith("halting.")]
+
+    def grads(micro_batches):
+        tr.current_gradient_accumulation_steps = len(micro_batches)
+        model.zero_grad()
+        for b in micro_batches:
+            tr.compute_loss(model, dict(b), num_items_in_batch=n_items).backward()
+        return torch.cat([p.grad.flatten() for p in params])
+
+    assert model.halting.aux_loss_per_item(model.loop.loss_config)
+    one, two = grads([batch]), grads(halves)
+    assert one.abs().max() > 0
+    torch.testing.assert_close(two, one, atol=1e-7, rtol=1e-5)
+    model.config.loop = {**model.config.loop, "decider_loss_scope": "local"}
+    assert (grads(halves) - grads([batch])).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("decay_norms", [True, False])
+def test_decay_norms_puts_norm_weights_in_the_decayed_group(tmp_path, decay_norms):
+    """``decay_norms`` (the TaH2 release): weight decay on every parameter but biases, norm weights included;
+    off: transformers' rule (no decay on biases and on the norms it knows by name: the backbone's; the heads'
+    ``norm_e`` & co. are not among them). ANIRA-O's decider has biases; the head groups of a ``heads_lr_scale``
+    keep their decay."""
+    trainer = make_trainer(tmp_path, "anira-o", weight_decay=0.01, decay_norms=decay_norms, heads_lr_scale=3.0)
+    opt = trainer.create_optimizer()
+    wd = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    named = dict(trainer.model.named_parameters())
+    norms = [n for n in named if "norm" in n and n.startswith("model.")]
+    biases = [n for n in named if n.endswith(".bias")]
+    matrices = [n for n, p in named.items() if p.dim() == 2]
+    assert {"model.norm.weight", "model.layers.0.input_layernorm.weight"} <= set(norms)
+    assert biases and {n.split(".")[0] for n in biases} == {"halting"}
+    assert {wd[id(named[n])] for n in norms} == {0.01 if decay_norms else 0.0}
+    assert wd[id(named["updater.norm_e.weight"])] == 0.01
+    assert {wd[id(named[n])] for n in biases} == {0.0}
+    assert {wd[id(named[n])] for n in matrices} == {0.01}
+
+
 def test_random_depth_and_truncated_backprop_reach_the_forward(tmp_path):
     tr = make_trainer(tmp_path, "fixed", max_steps=8, random_depth=True, random_depth_mean=2.0, truncate_backprop=1)
     calls = []
@@ -329,7 +384,7 @@ class _PoisonAt(TrainerCallback):
     def on_step_begin(self, args, state, control, model=None, **kw):
         if state.global_step + 1 == self.step:
             with torch.no_grad():
-                model.updater.w1.weight[0, 0] = float("nan")
+                model.updater.norm_e.weight[0] = float("nan")
 
 
 def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):

@@ -25,14 +25,39 @@ def test_plugin_knows_every_loop_field_and_the_methods():
     assert P.DEFAULT_ATTENTION == {n: C.DEFAULT_ATTENTION[n] for n in served}
 
 
-@pytest.mark.parametrize("arch, top_k", [("swiglu", 2048), ("ffn", 10), ("swiglu", 0)])
-def test_plugin_reads_a_converted_config(arch, top_k):
-    m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(method="tah2", decider_arch=arch, decider_top_k=top_k))
+#: the updater and state the plugin rebuilds (``P.SERVED_VALUES``)
+SERVED = {"updater": "residual", "decider_state": "core"}
+
+
+@pytest.mark.parametrize(
+    "arch, top_k, rule",
+    [("swiglu", 2048, "quarter"), ("ffn", 10, "quarter"), ("swiglu", 0, "release"), ("swiglu", None, "release")],
+)
+def test_plugin_reads_a_converted_config(arch, top_k, rule):
+    loop = retrofit.LoopConfig(method="tah2", decider_arch=arch, decider_top_k=top_k, decider_width_rule=rule, **SERVED)
+    m = retrofit.convert(tiny_base("llama"), loop)
     spec = P.loop_spec(m.config)
-    assert (spec.decider_arch, spec.top_k, spec.decider_hidden) == (arch, top_k, m.halting.decider_hidden)
+    assert (spec.decider_arch, spec.top_k, spec.decider_hidden) == (arch, m.halting.top_k, m.halting.decider_hidden)
+    assert spec.top_k == (m.config.hidden_size if top_k is None else top_k)
 
 
 def test_plugin_reads_checkpoints_from_before_the_release_decider_as_ffn():
     m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(method="tah2"))
     m.config.loop = {k: v for k, v in m.config.loop.items() if k not in C.LEGACY_VALUES}
-    assert P.loop_spec(m.config).decider_arch == C.LEGACY_VALUES["decider_arch"] == "ffn"
+    spec = P.loop_spec(m.config)
+    assert spec.decider_arch == C.LEGACY_VALUES["decider_arch"] == "ffn"
+
+
+@pytest.mark.parametrize("name, value", [("updater", "release"), ("decider_state", "final_norm")])
+def test_plugin_refuses_the_release_updater_and_state_with_one_clear_error(name, value):
+    """The TaH2 release's updater and final-norm state are not rebuilt from vLLM layers: the plugin refuses them
+    (one error naming the field, the value, what it serves and what to use instead), TaH2's defaults included,
+    and serves the other methods' defaults and a checkpoint that pins the served values."""
+    loop = retrofit.LoopConfig(method="tah2", **{**SERVED, name: value})
+    m = retrofit.convert(tiny_base("llama"), loop)
+    with pytest.raises(P.LoopSpecError, match=rf"{name}='{value}'.*serves {name} '{SERVED[name]}'.*retrofit serve"):
+        P.loop_spec(m.config)
+    with pytest.raises(P.LoopSpecError, match="does not serve"):
+        P.loop_spec(retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(method="tah2")).config)
+    for method in ("anira-e", "anira-o", "fixed"):
+        assert P.loop_spec(retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(method=method)).config)

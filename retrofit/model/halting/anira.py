@@ -131,7 +131,7 @@ class AniraEarly(HaltingMethod):
             st = hard + soft - soft.detach()
         return q, st
 
-    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None) -> AuxLoss | None:
+    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None, num_items_in_batch=None) -> AuxLoss | None:
         """``γ · L_C`` over all non-padding tokens; ``log q`` from the raw depth logits (stable)."""
         if outputs.depth_probs is None:  # a forced depth: no decision was made
             return None
@@ -193,7 +193,7 @@ class AniraOnline(HaltingMethod):
             st = hard + q - q.detach()
         return q, st
 
-    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None) -> AuxLoss | None:
+    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None, num_items_in_batch=None) -> AuxLoss | None:
         """``γ · L_C`` over all non-padding tokens."""
         if outputs.depth_probs is None:  # a forced depth: no decision was made
             return None

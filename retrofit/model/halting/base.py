@@ -18,7 +18,8 @@ change together). The depth loop (``retrofit.model.loop``) calls, in order:
 When the exit depth is forced (``depth=``), the loop calls none of these: no decider runs, and
 the output is each token's exit-depth readout.
 
-The auxiliary loss: ``loss(outputs, labels, cfg, attention_mask=None)`` returns the method's loss,
+The auxiliary loss: ``loss(outputs, labels, cfg, attention_mask=None, num_items_in_batch=None)`` returns the
+method's loss,
 already weighted (``α_D · L_D`` for TaH2, ``γ · L_C`` for ANIRA), plus detached scalars to log.
 The model's forward calls it with ``cfg = LoopConfig.loss_config`` whenever it gets labels, adds it
 to ``loss`` and exposes it as ``aux_loss`` (the mixture-of-experts convention TRL's trainers know).
@@ -179,9 +180,9 @@ class HaltingMethod(nn.Module):
     needs_depth_readout: bool = False
     #: the method's objective replaces the output's next-token loss (``main_loss``; module docstring)
     needs_depth_ce: bool = False
-    #: ``step`` reads each depth's state after the model's final norm (what the LM head reads), not the raw
-    #: core output
-    reads_final_norm: bool = False
+    #: the method's defaults of the model-side fields a ``LoopConfig`` leaves None (``config.GENERIC_DEFAULTS``
+    #: lists them and the values of a method that declares none)
+    loop_defaults: dict = {}
 
     def __init__(self, hidden_size: int, loop: LoopConfig):
         super().__init__()
@@ -198,6 +199,12 @@ class HaltingMethod(nn.Module):
     def reads_every_depth(cls, loop: LoopConfig) -> bool:
         """Inference reads out (coda, final norm, LM head) every executed depth, not only the exit depth."""
         return False
+
+    @classmethod
+    def resolve_shapes(cls, loop: LoopConfig, hidden_size: int, updater_params: int, base_params: int) -> dict:
+        """The ``LoopConfig`` fields whose value depends on the model (e.g. a width chosen to fit the heads' budget),
+        resolved for this one: the model stores them in ``config.loop``, so a checkpoint states its shapes."""
+        return {}
 
     @classmethod
     def card_rows(cls, loop: LoopConfig) -> list[tuple[str, str]]:
@@ -261,7 +268,12 @@ class HaltingMethod(nn.Module):
         return {}
 
     def loss(
-        self, outputs, labels: torch.Tensor, cfg: LossConfig, attention_mask: torch.Tensor | None = None
+        self,
+        outputs,
+        labels: torch.Tensor,
+        cfg: LossConfig,
+        attention_mask: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
     ) -> AuxLoss | None:
         """The method's weighted auxiliary loss for one batch, or ``None`` (plain next-token loss).
 
@@ -270,8 +282,16 @@ class HaltingMethod(nn.Module):
             labels: ``[B, T]`` unshifted labels (-100 = ignored), as given to the forward.
             cfg: loss weights and switches (the model passes ``LoopConfig.loss_config``).
             attention_mask: ``[B, T]`` 1 for real tokens; ``None`` = every token is real.
+            num_items_in_batch: the labelled tokens of every rank and accumulation step (what the Trainer
+                passes to the forward), or None; a method whose ``aux_loss_per_item`` is true divides by it.
         """
         return None
+
+    def aux_loss_per_item(self, cfg: LossConfig) -> bool:
+        """``loss(..., num_items_in_batch=N)`` divides by ``N`` (TaH2 with ``decider_loss_scope="global"``): a
+        trainer then scales the auxiliary loss exactly as it scales the LM loss (no division by the
+        accumulation steps). False: the auxiliary loss is a mean over this micro-batch."""
+        return False
 
     def main_loss(self, outputs, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor | None:
         """The model's main loss, replacing the next-token loss of ``outputs.logits`` (``needs_depth_ce`` methods).
@@ -299,4 +319,10 @@ class HaltingMethod(nn.Module):
 
     @property
     def decider_hidden(self) -> int:
-        return self.loop.decider_hidden or max(1, self.hidden_size // 4)
+        """The decider's width: ``LoopConfig.decider_hidden``, else the width rule's (``"release"``: the hidden
+        size, which ``LoopedForCausalLM`` narrows to the heads' budget and stores; ``"quarter"``: ``H // 4``)."""
+        if self.loop.decider_hidden:
+            return self.loop.decider_hidden
+        if self.loop.decider_width_rule == "release":
+            return self.hidden_size
+        return max(1, self.hidden_size // 4)

@@ -96,8 +96,9 @@ class Ouro(HaltingMethod):
     threshold_rule = "halt_mass"
     decider_runs = "per_depth"
     vllm_supported = False
-    reads_final_norm = True
     needs_depth_ce = True
+    #: the gate (and the updater) read the step's state after the final norm, what the LM head reads
+    loop_defaults = {"decider_state": "final_norm"}
 
     @classmethod
     def card_rows(cls, loop) -> list[tuple[str, str]]:

@@ -15,9 +15,10 @@ the remaining mass ``Π_{j<d*} c^(j)``; ``p_t = Σ_d π_d softmax(z^(d))``. ``De
 streaming, depth by depth, for the full-sequence forward and the decode path alike; ``mixture_weights``
 gives the weights ``π`` for a finished loop.
 
-The top-K probabilities enter the decider detached: they are features of the current prediction,
-and letting the decider's loss reshape the LM distribution through them is not what the seed
-describes.
+The decider reads ``e`` (the core input of depth 1), the state ``s_d`` (``LoopConfig.decider_state``: after
+the final norm, as the release's ``hidden_states[-1]``, or the core output) and the top-K probabilities,
+with gradient (``decider_topk_grad``, the release: ``α_D · L_D`` then also shapes the LM distribution) or
+detached.
 
 Training loss (§3, "lookahead depth supervision")::
 
@@ -29,23 +30,35 @@ per-token loss gains ``δ^(d) = ℓ^(d) - ℓ^(d+1)``; see that function for the
 ``decider_loss`` for the weighting and the guards of the authors' release (dynamic ``pos_weight``,
 clamped costs, normalization by tokens, a logit margin).
 
-The cutoff κ is computed from the gains of *one* forward: under data parallelism each process
-(and, with gradient accumulation, each micro-batch) uses its own κ. We do not all-gather the gains:
-the ρ-quantile of a few thousand gains is a stable statistic, and a gather would add a collective
-of variable size to every micro-step. Runs with tiny micro-batches get noisier cutoffs.
+The cutoff κ (``gain_cutoff``) is one per depth boundary (``kappa_scope="per-boundary"``, the release) or one
+over all decisions (``"pooled"``); under ``torch.distributed`` its inputs are gathered from every rank
+(``kappa_gather``, the release: ``gather_gains``, a fixed number of collectives per forward whatever a rank
+holds), so every rank labels with the same κ. With gradient accumulation each micro-batch still has its own κ
+(the release's too). ``L_D`` is divided by the forward's ``num_items_in_batch`` (every rank's and accumulation
+step's labelled tokens) under ``decider_loss_scope="global"``, so a trainer scales it like the LM loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import LoopConfig
-from ..heads import DeciderFFN, SwiGLUDecider
+from ..heads import DeciderFFN, SwiGLUDecider, release_decider_width
 from .base import AuxLoss, DepthCombiner, ExitLogits, HaltContext, HaltingMethod, LossConfig
+
+# the lookahead labels live in their own module; importable from here as before
+from .lookahead import (  # noqa: F401
+    LookaheadLabels,
+    distributed,
+    gain_cutoff,
+    gather_gains,
+    lookahead_labels,
+    next_token_mask,
+)
 
 
 class TaH2(HaltingMethod):
@@ -59,14 +72,33 @@ class TaH2(HaltingMethod):
     threshold_rule = "continue_at_or_above"
     decider_runs = "per_depth"
     vllm_supported = True
+    #: the release's behaviour for the model-side fields a LoopConfig leaves None (docs/tah2.md)
+    loop_defaults = {
+        "updater": "release",
+        "decider_state": "final_norm",
+        "decider_topk_grad": True,
+        "decider_width_rule": "release",
+        "decider_init": "torch",
+        "padding_stops": True,
+    }
 
     @classmethod
     def reads_every_depth(cls, loop) -> bool:
-        return loop.decider_top_k > 0 or loop.mixture_output
+        return loop.decider_top_k is None or loop.decider_top_k > 0 or loop.mixture_output
 
     @classmethod
     def card_rows(cls, loop) -> list[tuple[str, str]]:
         return [("exit threshold τ", str(loop.exit_threshold)), ("mixture output", str(loop.mixture_output))]
+
+    @classmethod
+    def resolve_shapes(cls, loop, hidden_size: int, updater_params: int, base_params: int) -> dict:
+        """The decider's top-K (``None``: the hidden size) and its ``"release"`` width (``heads.release_decider_width``:
+        the hidden size, halved until the heads fit the budget; it counts the base model's parameters)."""
+        resolved = {"decider_top_k": hidden_size} if loop.decider_top_k is None else {}
+        if loop.decider_hidden is None and loop.decider_width_rule == "release":
+            top_k = resolved.get("decider_top_k", loop.decider_top_k)
+            resolved["decider_hidden"] = release_decider_width(hidden_size, top_k, updater_params, base_params)
+        return resolved
 
     @classmethod
     def continue_probabilities(cls, out, max_depth: int) -> torch.Tensor:
@@ -75,11 +107,11 @@ class TaH2(HaltingMethod):
 
     def __init__(self, hidden_size: int, loop: LoopConfig):
         super().__init__(hidden_size, loop)
-        self.top_k = loop.decider_top_k
+        self.top_k = hidden_size if loop.decider_top_k is None else loop.decider_top_k
         self.arch = loop.decider_arch
         if self.arch == "swiglu":
             parts = [hidden_size, hidden_size] + ([self.top_k] if self.top_k else [])
-            self.decider = SwiGLUDecider(parts, self.decider_hidden, 1, loop.decider_init_std)
+            self.decider = SwiGLUDecider(parts, self.decider_hidden, 1, loop.decider_init_std, init=loop.decider_init)
         else:  # "ffn": starts deep, continue logit = +deep_init_logit for every token
             self.decider = DeciderFFN(2 * hidden_size + self.top_k, self.decider_hidden, 1, loop.deep_init_logit)
 
@@ -93,12 +125,13 @@ class TaH2(HaltingMethod):
         return self.top_k > 0 or self.loop.mixture_output
 
     def continue_logit(self, e: torch.Tensor, h: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-        """``e``, ``h``: ``[..., H]``; ``probs``: ``[..., V]`` (None when ``decider_top_k == 0``) -> the
+        """``e``, ``h``: ``[..., H]`` (``h``: the state ``s_d`` of ``LoopConfig.decider_state``); ``probs``:
+        ``[..., V]`` (None when ``decider_top_k == 0``; its gradient is kept under ``decider_topk_grad``) -> the
         continue logit ``[...]`` (float32)."""
         parts = [e, h]
         if self.top_k:
             k = min(self.top_k, probs.shape[-1])
-            top = probs.detach().topk(k, dim=-1).values
+            top = (probs if self.loop.decider_topk_grad else probs.detach()).topk(k, dim=-1).values
             if k < self.top_k:
                 top = F.pad(top, (0, self.top_k - k))
             parts.append(top.to(h.dtype))
@@ -140,12 +173,18 @@ class TaH2(HaltingMethod):
             return {"decider_threshold": self.loop.exit_threshold * step / w}
         return {}
 
-    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None) -> AuxLoss | None:
+    def aux_loss_per_item(self, cfg: LossConfig) -> bool:
+        """``L_D`` is divided by the forward's ``num_items_in_batch`` (``decider_loss_scope="global"``)."""
+        return cfg.decider_loss_norm == "tokens" and cfg.decider_loss_scope == "global"
+
+    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None, num_items_in_batch=None) -> AuxLoss | None:
         """``α_D · L_D`` (§3) from ``outputs.depth_nll`` and the decider's logits ``outputs.halt_logits``.
 
         Only positions with a next-token label (``labels[:, t + 1] != -100``) get decider labels:
         the gain ``δ`` is undefined elsewhere. ``attention_mask`` is not needed (padding has
-        label -100).
+        label -100). ``N`` of ``decider_loss_norm="tokens"`` is ``num_items_in_batch`` under
+        ``decider_loss_scope="global"`` when given, else this batch's labelled tokens; the logged
+        ``decider_loss`` is always per labelled token of this batch.
         """
         if outputs.halt_signals is None:  # max_depth == 1 (or a depth cap of 1): no decision was made
             return None
@@ -155,22 +194,31 @@ class TaH2(HaltingMethod):
                 "on (output_router_logits, default config.output_router_logits), or with output_depth_losses=True"
             )
         mask = next_token_mask(labels)
-        lab = lookahead_labels(outputs.depth_nll, mask, cfg.rho, n_decisions=outputs.halt_signals.shape[-1])
+        lab = lookahead_labels(
+            outputs.depth_nll,
+            mask,
+            cfg.rho,
+            n_decisions=outputs.halt_signals.shape[-1],
+            scope=cfg.kappa_scope,
+            gather=cfg.kappa_gather,
+        )
         logits = outputs.halt_logits
         if logits is None:  # a caller that kept only the probabilities
             c = outputs.halt_signals.float().clamp(1e-7, 1 - 1e-7)
             logits = c.log() - (-c).log1p()
-        l_d, metrics = decider_loss(logits, lab, cfg, n_tokens=mask.sum(), exit_threshold=self.loop.exit_threshold)
+        n_local = mask.sum()
+        per_item = self.aux_loss_per_item(cfg) and num_items_in_batch is not None
+        n = num_items_in_batch if per_item else n_local
+        l_d, metrics = decider_loss(logits, lab, cfg, n_tokens=n, exit_threshold=self.loop.exit_threshold)
+        if per_item:  # log the per-token loss of this batch, whatever the normalizer
+            n_global = torch.as_tensor(n, device=l_d.device).float()
+            metrics["decider_loss"] = l_d.detach() * n_global / n_local.clamp_min(1)
         return AuxLoss(cfg.alpha_d * l_d, metrics)
 
-
-def _decider_phase_loss(self, outputs, labels, cfg: LossConfig, num_items_in_batch=None) -> AuxLoss | None:
-    """The decider-only phase: ``L_D`` alone (unweighted), the BCE against the lookahead labels on the frozen
-    backbone (the first TaH paper's second stage, with TaH2's labels)."""
-    return self.loss(outputs, labels, dataclasses.replace(cfg, alpha_d=1.0))
-
-
-TaH2.decider_phase_loss = _decider_phase_loss
+    def decider_phase_loss(self, outputs, labels, cfg: LossConfig, num_items_in_batch=None) -> AuxLoss | None:
+        """The decider-only phase: ``L_D`` alone (unweighted), the BCE against the lookahead labels on the frozen
+        backbone (the first TaH paper's second stage, with TaH2's labels)."""
+        return self.loss(outputs, labels, dataclasses.replace(cfg, alpha_d=1.0), num_items_in_batch=num_items_in_batch)
 
 
 class DepthMixture(DepthCombiner):
@@ -254,108 +302,17 @@ def mixture_weights(cont: list[torch.Tensor], depths: torch.Tensor, max_depth: i
     return torch.stack(out, dim=-1)
 
 
-# ------------------------------------------------------------------------------------------------
-# Lookahead depth supervision (docs/tah2.md)
-# ------------------------------------------------------------------------------------------------
-def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` bool: position ``t`` has a next-token target (``labels[:, t + 1] != -100``).
-
-    The model's per-depth losses ``depth_nll[:, t]`` score the prediction made at ``t`` of token
-    ``t + 1`` (the shift of causal LM training), and are 0, not NaN, where that label is -100.
-    """
-    return F.pad(labels[:, 1:], (0, 1), value=-100) != -100
-
-
-def gain_cutoff(gains: torch.Tensor, rho: float) -> torch.Tensor:
-    """The cutoff κ of the ρ rule (§3).
-
-    Sort the positive gains in descending order and keep the smallest prefix whose sum reaches
-    ``rho`` times the total positive gain; κ is the smallest kept gain.
-
-    Args:
-        gains: ``[N]`` gains δ of every decision in the batch (any sign).
-        rho: share of the total positive gain to cover, in (0, 1].
-
-    Returns:
-        Scalar float64 tensor. ``0`` when no gain is positive: then no decision is labeled
-        "continue" (see ``lookahead_labels``).
-    """
-    pos = gains[gains > 0].double()
-    if pos.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=gains.device)
-    pos = pos.sort(descending=True).values
-    cums = pos.cumsum(0)
-    # cums is strictly increasing: the first index whose prefix sum reaches the target. Comparing
-    # against cums[-1] (the same summation) makes rho = 1 land exactly on the last gain.
-    idx = torch.searchsorted(cums, rho * cums[-1]).clamp_max(pos.numel() - 1)
-    return pos[idx]
-
-
-@dataclass
-class LookaheadLabels:
-    """Per-decision supervision of the TaH2 decider; ``K`` = number of decisions (≤ D - 1).
-
-    Attributes:
-        delta: ``[B, T, K]`` float64 gains ``δ^(d) = ℓ^(d) - ℓ^(d+1)``; NaN where no decision was made.
-        decided: ``[B, T, K]`` bool: the decision at depth d was made (d ≤ d*, d < D) on a labeled
-            position.
-        labels: ``[B, T, K]`` float 0/1 targets ``y^(d)`` (1 = continue); 0 where not decided.
-        weights: ``[B, T, K]`` cost-sensitive weights ``|δ - κ|``; 0 where not decided.
-        kappa: scalar float64 cutoff κ.
-    """
-
-    delta: torch.Tensor
-    decided: torch.Tensor
-    labels: torch.Tensor
-    weights: torch.Tensor
-    kappa: torch.Tensor
-
-
-def lookahead_labels(
-    depth_nll: torch.Tensor, token_mask: torch.Tensor, rho: float = 0.99, n_decisions: int | None = None
-) -> LookaheadLabels:
-    """Lookahead labels for the TaH2 decider (docs/tah2.md).
-
-    For each labeled token and each decision it made (depths ``d = 1 … min(d*, D - 1)``), the gain of
-    one more iteration is ``δ^(d) = ℓ^(d) - ℓ^(d+1)``; ``ℓ^(d*+1)`` comes from the gradient-free
-    lookahead iteration the model runs for halted tokens. With κ = ``gain_cutoff`` of all gains in
-    the batch::
-
-        y^(d) = 1  iff  δ^(d) ≥ κ  (and δ^(d) > 0, which only matters when no gain is positive)
-        y^(d) = 0  for every d after the token's first 0 ("stop is absorbing")
-
-    Args:
-        depth_nll: ``[B, T, D]`` per-depth next-token losses; NaN where not computed (the model's
-            ``outputs.depth_nll``).
-        token_mask: ``[B, T]`` bool, positions with a next-token label (``next_token_mask``).
-        rho: cutoff mass ρ (0.99; 1.0 keeps every positive gain).
-        n_decisions: how many decisions the forward made (``halt_signals.shape[-1]``); default D - 1.
-
-    Returns:
-        ``LookaheadLabels``.
-    """
-    D = depth_nll.shape[-1]
-    K = D - 1 if n_decisions is None else min(n_decisions, D - 1)
-    nll = depth_nll.detach().double()
-    delta = nll[..., :K] - nll[..., 1 : K + 1]  # NaN unless both depths were computed
-    decided = torch.isfinite(delta) & token_mask[..., None].to(delta.device)
-    delta = delta.masked_fill(~decided, float("nan"))
-    kappa = gain_cutoff(delta[decided], rho)
-    raw = decided & (delta >= kappa) & (delta > 0)
-    labels = raw.long().cumprod(-1).bool() & decided  # absorbing stop
-    weights = torch.where(decided, (delta - kappa).abs(), torch.zeros_like(delta))
-    return LookaheadLabels(delta=delta, decided=decided, labels=labels.to(delta.dtype), weights=weights, kappa=kappa)
-
-
 DYN_POS_WEIGHT_RANGE = (0.02, 50.0)  # the release's clamp of the dynamic pos_weight
 
 
-def dynamic_pos_weight(y: torch.Tensor, decided: torch.Tensor) -> torch.Tensor:
+def dynamic_pos_weight(y: torch.Tensor, decided: torch.Tensor, n_slots: int | None = None) -> torch.Tensor:
     """The release's BCE ``pos_weight`` per decision depth: ``#negatives / #positives`` among the decisions
     made there, clamped to ``[0.02, 50]``; 1 where either class is absent.
 
     Args:
         y: ``[..., K]`` 0/1 labels; decided: ``[..., K]`` bool, the decision was made.
+        n_slots: the all-reduce's size (``D - 1``, the same on every rank even where a rank made fewer
+            decisions); default ``K``.
 
     Returns:
         ``[K]`` float32. Under ``torch.distributed`` the counts are summed over all ranks first (one
@@ -366,8 +323,10 @@ def dynamic_pos_weight(y: torch.Tensor, decided: torch.Tensor) -> torch.Tensor:
     pos = (yf * m).sum(0)
     neg = ((1 - yf) * m).sum(0)
     counts = torch.stack([pos, neg])
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(counts)
+    if distributed():
+        counts = F.pad(counts, (0, max(K, n_slots or K) - K))
+        dist.all_reduce(counts)
+        counts = counts[:, :K]
     pos, neg = counts
     ratio = (neg / pos.clamp_min(1)).clamp(*DYN_POS_WEIGHT_RANGE)
     return torch.where((pos > 0) & (neg > 0), ratio, torch.ones_like(ratio))
@@ -382,11 +341,12 @@ def decider_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Cost-sensitive BCE of the continue logits against the lookahead labels (§3, and the release's guards).
 
-    Per decision ``(t, d)`` made on a labelled token::
+    Per decision ``(t, d)`` made on a labelled token (the tokens that executed depth ``d``, on-policy)::
 
-        w    = clamp(|δ - κ|, cost_min, cost_max)            (weighting "distance"; 1 for "uniform")
+        w    = clamp(|δ - κ_d|, cost_min, cost_max)          (weighting "distance"; 1 for "uniform"); a decision
+                                                           that was no cutoff candidate weighs cost_min
         ℓ    = BCE_with_logits(s - m·(2y - 1), y; pos_weight_d)   s = the continue logit, m = bce_margin
-        L_D  = Σ w · ℓ / N                                     N = labelled tokens ("tokens", the release)
+        L_D  = Σ w · ℓ / N                                     N = n_tokens ("tokens", the release)
              = Σ w · ℓ / Σ w                                   ("weights", retrofit < 0.2)
 
     ``pos_weight_d`` is ``dynamic_pos_weight`` of the depth-``d`` decisions (``dyn_pos_weight``) or the
@@ -396,13 +356,15 @@ def decider_loss(
         logits: ``[B, T, k]`` continue logits (``outputs.halt_logits``; ``σ`` of them is ``halt_signals``).
         lab: ``lookahead_labels`` output (the common prefix of its ``K`` and ``k`` decisions is used).
         cfg: the loss switches (``LossConfig``; default: its defaults).
-        n_tokens: ``N``, the labelled tokens (``"tokens"`` normalization); default: the number of tokens
-            that made at least one decision.
+        n_tokens: ``N`` of the ``"tokens"`` normalization: the labelled tokens of this batch, or the global
+            ``num_items_in_batch`` (``TaH2.loss`` under ``decider_loss_scope="global"``); default: the number of
+            tokens that made at least one decision.
         exit_threshold: τ_exit, only for the logged decision accuracy.
 
     Returns:
         ``(L_D scalar with grad, metrics)``; metrics are detached scalars: ``decider_loss``,
-        ``kappa``, ``continue_label_rate``, ``decider_accuracy``, ``decisions``, ``pos_weight``.
+        ``kappa`` (the first boundary's; ``kappa_2`` … the later ones per boundary), ``continue_label_rate``,
+        ``decider_accuracy``, ``decisions``, ``pos_weight``.
     """
     cfg = LossConfig() if cfg is None else cfg
     K = min(logits.shape[-1], lab.labels.shape[-1])
@@ -415,7 +377,7 @@ def decider_loss(
         w = torch.ones_like(s)
     w = torch.where(m, w, torch.zeros_like(w))
     if cfg.dyn_pos_weight:
-        pw = dynamic_pos_weight(y, m)
+        pw = dynamic_pos_weight(y, m, lab.n_boundaries)
     else:
         pw = torch.full((K,), float(cfg.pos_weight), device=s.device)
     shifted = s - cfg.bce_margin * (2 * y - 1) if cfg.bce_margin else s
@@ -432,9 +394,11 @@ def decider_loss(
         n = m.sum()
         d = n.clamp_min(1).float()
         c = torch.sigmoid(s)
+        kappa = lab.kappa.float().reshape(-1)
         metrics = {
             "decider_loss": loss.detach(),
-            "kappa": lab.kappa.float(),
+            "kappa": kappa[0] if kappa.numel() else kappa.new_zeros(()),
+            **{f"kappa_{j + 1}": kappa[j] for j in range(1, kappa.numel())},  # boundaries 2, 3, … (per-boundary)
             "continue_label_rate": (y * m).sum() / d,
             "decider_accuracy": (((c >= exit_threshold).float() == y) & m).sum() / d,
             "decisions": n.float(),

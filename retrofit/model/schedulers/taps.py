@@ -1,7 +1,8 @@
 """Step sizes of the core update: the unit step and TAPS (docs/taps.md).
 
-The looped core is an iteration ``h_d = F(h_{d-1})`` with ``F(h) = core(U(e, h))`` (the updater
-re-injects the core input ``e``). A step schedule relaxes it::
+The looped core is an iteration ``h_d = F(h_{d-1})`` with ``F(h) = core(U(e, s(h)))`` (the updater
+re-injects the core input ``e``; ``s`` is ``retrofit.model.loop.loop_state``, the final norm or the identity).
+A step schedule relaxes it::
 
     h_d = h_{d-1} + η_d · (F(h_{d-1}) - h_{d-1})          (d ≥ 2; h_1 = core(e) always)
 
