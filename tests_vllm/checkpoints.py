@@ -42,13 +42,16 @@ def build_checkpoint(
     seed: int = 0,
     decider_std: float = 1.0,
     updater_std: float = 0.05,
+    release: bool = False,
 ):
     """Convert a tiny random base, perturb its heads, ``save_pretrained`` it (with a tokenizer) into ``folder``.
 
     Perturbation (all from ``seed``): the updater's zero-initialized output ``updater.w2`` gets
     N(0, ``updater_std``) entries, so deeper depths compute something new; the decider's output layer
     ``halting.decider.fc2`` gets N(0, ``decider_std``) weights and a zero bias, so its decisions vary
-    by token instead of the deep-start constant.
+    by token instead of the deep-start constant. ``release=True``: the method's own defaults (TaH2: the
+    release's updater, final-norm state and decider shapes) instead of ``PLUGIN_LOOP``; the release decider's
+    score layer is redrawn at unit gain per input so that exits mix (``retrofit.testing.spread_decider``).
 
     Returns:
         the looped model (eval mode), as saved.
@@ -64,9 +67,8 @@ def build_checkpoint(
         max_depth=max_depth,
         method=method,
         attention=attention,
-        # what the plugin serves (retrofit.vllm_plugin.config.SERVED_VALUES), with the head shapes and init these
-        # checkpoints had before the TaH2 release's options existed
-        **PLUGIN_LOOP,
+        # the head shapes and init these checkpoints had before the TaH2 release's options existed, unless release
+        **({} if release else PLUGIN_LOOP),
     )
     with torch.random.fork_rng():  # the heads' own initialization draws from the global RNG: pin it
         torch.manual_seed(seed)
@@ -80,6 +82,10 @@ def build_checkpoint(
                 p.copy_(torch.randn(p.shape, generator=g) * decider_std)
             elif name == "halting.decider.fc2.bias":
                 p.zero_()
+        if release and method == "tah2":
+            from retrofit.testing import spread_decider
+
+            spread_decider(model, logit_std=decider_std * 2.0, generator=g)
     model.save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
     return model

@@ -46,6 +46,9 @@ CASES = {
     "llama-anira-e": {"family": "llama", "method": "anira-e", "serve": [None]},
     "llama-anira-o": {"family": "llama", "method": "anira-o", "serve": [None, 1]},
     "llama-fixed": {"family": "llama", "method": "fixed", "serve": [None]},
+    # TaH2 as released (its defaults: the release's updater, the final-norm state, the release decider's shapes)
+    "llama-tah2-release": {"family": "llama", "method": "tah2", "release": True, "serve": [None, 2]},
+    "qwen3-tah2-release": {"family": "qwen3", "method": "tah2", "release": True, "core": None, "serve": [None]},
     # Qwen3: no coda (the core runs to the last layer), served from a `retrofit export` folder
     "qwen3-tah2-duo": {
         "family": "qwen3",

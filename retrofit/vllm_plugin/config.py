@@ -77,7 +77,7 @@ INFERENCE_FIELDS = (
 )
 #: what the plugin serves of the fields whose values it cannot all serve (absent: the value of checkpoints
 #: written before the field existed, retrofit.model.config.LEGACY_VALUES)
-SERVED_VALUES = {"updater": ("residual",), "decider_state": ("core",)}
+SERVED_VALUES = {"updater": ("residual", "release"), "decider_state": ("core", "final_norm")}
 #: config attribute that forces every token to one depth (set it with vLLM's ``hf_overrides``)
 SERVE_DEPTH_ATTR = "retrofit_depth"
 
@@ -108,6 +108,10 @@ class LoopSpec:
             written before the field existed).
         exit_threshold / halt_threshold: TaH2's ``τ_exit``; ANIRA-O's inference ``u``.
         mixture_output: TaH2 output = mixture of per-depth distributions.
+        updater: ``"residual"`` (``e + W2·SiLU(W1·)``) or ``"release"`` (the TaH2 release's updater; absent in
+            checkpoints written before the field: ``"residual"``).
+        decider_state: the state the decider and the updater read, ``"core"`` or ``"final_norm"`` (the final norm
+            of the core output; absent: ``"core"``).
         serve_depth: every token runs this many iterations (None: the method's decider).
     """
 
@@ -124,6 +128,8 @@ class LoopSpec:
     exit_threshold: float
     halt_threshold: float
     mixture_output: bool
+    updater: str
+    decider_state: str
     serve_depth: int | None
 
     @property
@@ -183,9 +189,8 @@ def loop_spec(config) -> LoopSpec:
         if value not in served:
             raise LoopSpecError(
                 f"config.loop has {name}={value!r}, which the vLLM plugin does not serve (it serves {name} "
-                f"{' or '.join(repr(v) for v in served)}: the TaH2 release's updater and its final-norm decider state "
-                "are not rebuilt from vLLM layers yet); serve this checkpoint with retrofit itself (`retrofit serve`, "
-                "`retrofit generate`, or the HF model's generate())"
+                f"{' or '.join(repr(v) for v in served)}); serve this checkpoint with retrofit itself "
+                "(`retrofit serve`, `retrofit generate`, or the HF model's generate())"
             )
     depth = getattr(config, SERVE_DEPTH_ATTR, None)
     if depth is not None and not (isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= D):
@@ -205,6 +210,8 @@ def loop_spec(config) -> LoopSpec:
         exit_threshold=float(loop.get("exit_threshold", 0.5)),
         halt_threshold=float(loop.get("halt_threshold", 0.5)),
         mixture_output=bool(loop.get("mixture_output", True)),
+        updater=loop.get("updater", "residual"),
+        decider_state=loop.get("decider_state", "core"),
         serve_depth=depth,
     )
 

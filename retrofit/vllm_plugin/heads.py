@@ -29,6 +29,38 @@ class Updater(nn.Module):
         return e + out
 
 
+class ReleaseUpdater(nn.Module):
+    """The TaH2 release's updater (``retrofit.model.heads.SwiGLUUpdater``, ``LoopConfig.updater="release"``)::
+
+        q = norm_mid(proj([norm_e(e); norm_h(s)])),    x_{d+1} = norm_out(down(SiLU(gate q) * up q))
+
+    It replaces the core input (no residual to ``e``)."""
+
+    def __init__(self, hidden: int, inner: int, eps: float, prefix: str):
+        super().__init__()
+        self.norm_e = RMSNorm(hidden, eps=eps)
+        self.norm_h = RMSNorm(hidden, eps=eps)
+        self.proj = ReplicatedLinear(2 * hidden, hidden, bias=False, prefix=f"{prefix}.proj")
+        self.norm_mid = RMSNorm(hidden, eps=eps)
+        self.gate_proj = ReplicatedLinear(hidden, inner, bias=False, prefix=f"{prefix}.gate_proj")
+        self.up_proj = ReplicatedLinear(hidden, inner, bias=False, prefix=f"{prefix}.up_proj")
+        self.down_proj = ReplicatedLinear(inner, hidden, bias=False, prefix=f"{prefix}.down_proj")
+        self.norm_out = RMSNorm(hidden, eps=eps)
+
+    def forward(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``e``, ``h``: ``[N, H]`` -> ``[N, H]``."""
+        p, _ = self.proj(torch.cat([self.norm_e(e), self.norm_h(h)], dim=-1))
+        q = self.norm_mid(p)
+        g, _ = self.gate_proj(q)
+        u, _ = self.up_proj(q)
+        y, _ = self.down_proj(nn.functional.silu(g) * u)
+        return self.norm_out(y)
+
+
+#: ``LoopConfig.updater`` -> the updater rebuilt from vLLM layers (the same parameter names as retrofit's)
+UPDATERS = {"residual": Updater, "release": ReleaseUpdater}
+
+
 class DeciderFFN(nn.Module):
     """``fc2(SiLU(fc1(norm(x))))``, the body of every decider (``retrofit.model.heads.DeciderFFN``)."""
 

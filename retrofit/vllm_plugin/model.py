@@ -47,7 +47,7 @@ from vllm.sequence import IntermediateTensors
 
 from .attention import LoopState, add_depth_attention, attn_metadata, kv_store
 from .config import LoopSpecError, loop_spec
-from .heads import Halting, Updater
+from .heads import UPDATERS, Halting
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,7 +74,9 @@ class LoopedForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.updater = Updater(H, spec.updater_hidden, config.rms_norm_eps, maybe_prefix(prefix, "updater"))
+        self.updater = UPDATERS[spec.updater](
+            H, spec.updater_hidden, config.rms_norm_eps, maybe_prefix(prefix, "updater")
+        )
         self.halting = Halting(spec, H, maybe_prefix(prefix, "halting"))
 
         # one KV cache per (core layer, depth); extra caches get fresh layer indices after the stack's
@@ -191,7 +193,7 @@ class LoopedForCausalLM(nn.Module):
         remain = torch.ones(N, device=dev)
 
         active = torch.ones(N, dtype=torch.bool, device=dev)
-        h = e
+        h = s = e
         saved: list[torch.Tensor | None] = [None] * len(spec.core)
         # TaH2 output mixture, streamed over depths (retrofit.model.generation.cached_forward)
         log_mix = lse_exit = z_exit = None
@@ -202,7 +204,7 @@ class LoopedForCausalLM(nn.Module):
             self.state.depth["core"] = d
             if duo:
                 self._mark_executed(active, d)
-            cur = e if d == 1 else self.updater(e, h)
+            cur = e if d == 1 else self.updater(e, s)
             for li, layer in enumerate(self._layers(spec.core)):
                 # an exited token re-enters each layer with its input from its exit depth: its K/V
                 # here equal its exit-depth ones (same weights), what same-depth attention reads
@@ -211,6 +213,7 @@ class LoopedForCausalLM(nn.Module):
                 saved[li] = cur
                 cur = self._run(layer, positions, cur)
             h = cur if d == 1 else torch.where(active[:, None], cur, h)
+            s = self.model.norm(h) if spec.decider_state == "final_norm" else h  # what the decider and updater read
 
             z = self._readout(h, positions, d) if spec.needs_readout else None
             c = None
@@ -218,7 +221,7 @@ class LoopedForCausalLM(nn.Module):
                 if exit_at is not None:
                     cont = exit_at > d
                 elif spec.method == "tah2":
-                    parts = [e, h]
+                    parts = [e, s]
                     if spec.top_k:
                         probs = z.softmax(-1)
                         k = min(spec.top_k, probs.shape[-1])
@@ -233,7 +236,7 @@ class LoopedForCausalLM(nn.Module):
                     c = torch.sigmoid(logit.squeeze(-1).float())
                     cont = c >= spec.exit_threshold
                 elif spec.method == "anira-o":
-                    a = torch.sigmoid(self.halting.decider(h).squeeze(-1).float())
+                    a = torch.sigmoid(self.halting.decider(s).squeeze(-1).float())
                     cdf = cdf + a * remain
                     remain = remain * (1 - a)
                     cont = cdf < spec.halt_threshold
