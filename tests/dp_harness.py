@@ -25,12 +25,11 @@ Engines (``--engine``):
 - ``none``: one process, no ``torch.distributed`` (the reference);
 - ``ddp``: ``torchrun`` over ``gloo``; the Trainer wraps the model in ``DistributedDataParallel`` as it does for
   any multi-process CPU run;
-- ``fsdp2``: ``torchrun`` over ``gloo``. accelerate's FSDP plugin refuses the CPU (``AcceleratorState`` switches to
-  FSDP only for GPU-like device types and otherwise falls back to DDP), so a trainer hook drives accelerate past
-  that check: right after the Trainer builds its ``Accelerator`` (``create_accelerator_and_postprocess``),
-  ``retrofit.training.fsdp2_cpu.force_fsdp2`` sets the shared state to FSDP with the plugin ``launch/fsdp2.yaml``
-  describes (``fsdp_version=2``, ``TRANSFORMER_BASED_WRAP`` on the looped model's ``_no_split_modules``,
-  ``reshard_after_forward=True``, ``FULL_STATE_DICT``). From there the Trainer's own FSDP2 path runs:
+- ``fsdp2``: ``torchrun`` over ``gloo``, with the environment ``accelerate launch --config_file launch/fsdp2.yaml``
+  exports (``fsdp2_environment``: ``fsdp_version: 2``, ``TRANSFORMER_BASED_WRAP`` on the looped model's
+  ``_no_split_modules``, ``reshard_after_forward``, ``FULL_STATE_DICT``). accelerate itself refuses FSDP on the CPU
+  (it falls back to DDP); ``RetrofitSFTTrainer`` drives it past that check right after the Trainer builds its
+  ``Accelerator`` (``retrofit.training.fsdp2_cpu``), and from there the Trainer's own FSDP2 path runs:
   ``accelerator.prepare`` applies ``fully_shard`` to each decoder layer, the embedding/final-norm/LM-head group and
   the root (``accelerate.utils.fsdp_utils.fsdp2_prepare_model``), and checkpoints are saved and resumed by
   accelerate's FSDP functions (``pytorch_model_fsdp.bin``, ``optimizer.bin``);
@@ -38,9 +37,10 @@ Engines (``--engine``):
 
 Under FSDP2 and ZeRO-3 every rank must run the same modules the same number of times in every step (FSDP2's
 all-gathers and ZeRO-3's parameter fetches are collectives), so the loop's depth is fixed there
-(``LoopConfig.fixed_graph=True``, which the recipes set under DeepSpeed); ``--fixed_graph auto`` (the default) does
-this. ``fixed_graph`` only runs iterations in which no token is active: one process gives bitwise the same
-losses and weights with and without it (measured for every method here), so one reference serves every engine.
+(``LoopConfig.fixed_graph=True``, which the recipes set under DeepSpeed and FSDP); ``--fixed_graph auto`` (the
+default) does this. ``fixed_graph`` only runs iterations in which no token is active: one process gives bitwise
+the same losses and weights with and without it (measured for every method here), so one reference serves every
+engine.
 
 Output, per engine and method, under ``<out>/<engine>/<method>/``: the Trainer's ``output_dir`` (``run/``, holding
 ``checkpoint-2`` with the default ``--save_steps``), ``record.json`` and, from rank 0, ``weights.pt`` (the full
@@ -106,6 +106,12 @@ def build_model(name: str, fixed_graph: bool):
     return model.train()
 
 
+def _is_fsdp_module(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def _gather(obj):
     """Every rank's ``obj`` (a list, rank order); ``[obj]`` without ``torch.distributed``."""
     import torch.distributed as dist
@@ -131,20 +137,25 @@ def _no_final_save():
     return NoFinalSave()
 
 
-def _trainer_class(engine: str):
+def fsdp2_environment(config: Path = REPO / "launch" / "fsdp2.yaml") -> dict[str, str]:
+    """What ``accelerate launch --config_file launch/fsdp2.yaml`` exports for its ``fsdp_config``
+    (``ACCELERATE_USE_FSDP`` and ``FSDP_<KEY>`` per ``fsdp_<key>``), so that a ``torchrun`` launch runs the same
+    FSDP2 setup as that config."""
+    import yaml
+
+    fsdp = yaml.safe_load(config.read_text())["fsdp_config"]
+    env = {"ACCELERATE_USE_FSDP": "true"}
+    for key, value in fsdp.items():
+        env[f"FSDP_{key.removeprefix('fsdp_').upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env
+
+
+def _trainer_class():
     from retrofit.training import RetrofitSFTTrainer
 
     class RecordingTrainer(RetrofitSFTTrainer):
         """``RetrofitSFTTrainer`` unchanged, except that ``compute_loss`` also records what every rank saw and
-        returned (the real trainer's loss scaling is what runs), and, for ``engine="fsdp2"``, accelerate is driven
-        into its FSDP2 path on the CPU."""
-
-        def create_accelerator_and_postprocess(self):
-            super().create_accelerator_and_postprocess()
-            if engine == "fsdp2":
-                from retrofit.training.fsdp2_cpu import force_fsdp2
-
-                force_fsdp2(self)
+        returned (the real trainer's loss scaling is what runs)."""
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss, outputs = super().compute_loss(
@@ -184,6 +195,8 @@ def train_one(name: str, engine: str, args, world: int) -> None:
     from retrofit.training import RetrofitSFTConfig, format_sft_dataset
 
     fixed_graph = args.fixed_graph == "true" or (args.fixed_graph == "auto" and engine in SHARDED)
+    if engine == "fsdp2":  # RetrofitSFTTrainer turns accelerate's CPU fallback (DDP) into FSDP2
+        os.environ.update(fsdp2_environment())
     out = Path(args.out) / engine / name
     out.mkdir(parents=True, exist_ok=True)
     times = {"start": time.time()}
@@ -208,7 +221,7 @@ def train_one(name: str, engine: str, args, world: int) -> None:
         max_length=32,
         bf16=False,
     )
-    trainer = _trainer_class(engine)(
+    trainer = _trainer_class()(
         model, targs, train_dataset=train, processing_class=char_tokenizer(), callbacks=[_no_final_save()]
     )
     trainer.records = []
@@ -229,6 +242,10 @@ def train_one(name: str, engine: str, args, world: int) -> None:
             "world_size": world,
             "fixed_graph": fixed_graph,
             "resumed_from": resume,
+            # what actually ran: the accelerator's type and the class of the model the Trainer trained
+            "distributed_type": str(trainer.accelerator.distributed_type),
+            "wrapped": type(trainer.model_wrapped).__name__,
+            "fsdp_module": _is_fsdp_module(trainer.model),
             "seconds": {k: round(times[k] - times["start"], 2) for k in ("init", "train")},
             "records": trainer.records,
             "log_history": trainer.state.log_history,

@@ -48,6 +48,7 @@ from ..model.halting.base import AuxLoss
 from ..model.modeling import LoopedForCausalLM
 from .checkpointing import remove_stale_staging
 from .config import RetrofitSFTConfig
+from .fsdp2_cpu import force_fsdp2, fsdp2_requested_on_cpu
 from .model_setup import (  # noqa: F401
     LORA_MODULES_TO_SAVE,
     LORA_TARGETS,
@@ -117,6 +118,15 @@ class RetrofitSFTTrainer(NanGuardMixin, CheckpointMixin, DepthMetricsMixin, SFTT
             self.eval_dataset = self._drop_bad_rows(self.eval_dataset, "eval")
         if self.args.should_save:
             remove_stale_staging(self.args.output_dir)
+
+    # -- accelerator -------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self):
+        """The Trainer's accelerator; FSDP2 asked for on CPU processes (``accelerate launch --config_file
+        launch/fsdp2.yaml … --use_cpu true``), which accelerate would silently run as DDP, runs as FSDP2
+        (``retrofit.training.fsdp2_cpu``)."""
+        super().create_accelerator_and_postprocess()
+        if fsdp2_requested_on_cpu(self.accelerator):
+            force_fsdp2(self)
 
     # -- optimizer ---------------------------------------------------------------------------------
     def create_optimizer(self, model=None):

@@ -58,6 +58,13 @@ STEP_RTOL = 1e-5
 KAPPA_RTOL = 1e-5
 WEIGHTS_ATOL = 5e-6
 
+#: (accelerator type, the trained model's wrapper, an FSDP2 module, LoopConfig.fixed_graph) per engine
+ENGINE_TYPES = {
+    "ddp": ("DistributedType.MULTI_CPU", "DistributedDataParallel", False, False),
+    "fsdp2": ("DistributedType.FSDP", "FSDPLoopedLlamaForCausalLM", True, True),
+    "zero3": ("DistributedType.DEEPSPEED", "DeepSpeedEngine", False, True),
+}
+
 KAPPA = pytest.mark.xfail(strict=True, reason="per-rank κ: fixed by the κ gather (issue 30 row 6)")
 
 
@@ -168,9 +175,13 @@ def _rel(a: float, b: float) -> float:
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("engine, method", cases())
 def test_same_rows_and_first_step_next_token_loss(runs, engine, method):
-    """Every step the two ranks together hold the one process's rows, in its order; at step 0 (same weights) the
+    """The engine is the one named (DDP / FSDP2 / ZeRO-3 on 2 processes, the loop's depth fixed under the sharded
+    two); every step the two ranks together hold the one process's rows, in its order; at step 0 (same weights) the
     next-token loss summed over ranks equals one process's, and TaH2's decisions (which do not read κ) are the same."""
     ref, run = runs.reference(method), runs.run(engine, method)
+    # the engine that ran is the one named: DDP's wrapper, FSDP2's sharded module, DeepSpeed's engine
+    assert (run["world_size"], ref["world_size"]) == (2, 1)
+    assert (run["distributed_type"], run["wrapped"], run["fsdp_module"], run["fixed_graph"]) == ENGINE_TYPES[engine]
     a, b = H.global_steps(run), H.global_steps(ref)
     assert sorted(a) == sorted(b) == [0, 1, 2]
     for step in b:
