@@ -8,8 +8,10 @@ TRL's ``SFTTrainer``/``DPOTrainer``/``GRPOTrainer`` and ``transformers.Trainer``
 ``L_NTP(mixture) + α_D · L_D`` (TaH2), ``L_CE + γ · L_C`` (ANIRA-E/O) or ``L_NTP`` (fixed). The weights
 live in the model's ``LoopConfig``; the ``RetrofitSFTConfig`` fields of the same names override them
 (the trainer writes those set into the model's config). ``compute_loss`` adds the trainer-side
-switches (random depth, truncated backprop), scales the auxiliary loss for gradient accumulation as
-TRL does for a router loss, and records metrics.
+switches (random depth, truncated backprop), scales the auxiliary loss as its method declares it normalized
+(``HaltingMethod.aux_loss_normalization``: a per-micro-batch mean is divided by the accumulation steps, as TRL does
+for a router loss, and averaged over processes; a sum over ``num_items_in_batch`` is scaled as the next-token loss
+is, which makes it exact under data parallelism), and records metrics.
 
 It logs, through TRL's ``self._metrics`` (so ``report_to="tensorboard"`` picks them up):
 ``ntp_loss``, ``aux_loss``, ``mean_depth`` (d̄ over non-padding tokens), ``mean_depth_answer``
@@ -44,7 +46,7 @@ import contextlib
 
 from trl import SFTTrainer
 
-from ..model.halting.base import AuxLoss
+from ..model.halting.base import AUX_LOSS_NORMALIZATIONS, AuxLoss
 from ..model.modeling import LoopedForCausalLM
 from .checkpointing import remove_stale_staging
 from .config import RetrofitSFTConfig
@@ -212,18 +214,38 @@ class RetrofitSFTTrainer(NanGuardMixin, CheckpointMixin, DepthMetricsMixin, SFTT
             # before anything reads the outputs further. The forward already turned a non-finite decider
             # into a NaN auxiliary loss instead of running TaH2's BCE on it (which raises on NaN input)
             self._check_finite(ntp, outputs=outputs)
-        # the auxiliary loss is a per-micro-batch mean: when num_items_in_batch is given the Trainer no
-        # longer divides by the accumulation steps, so we do (as TRL does for the MoE aux loss)
-        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None and mode == "train" else 1
-        if scale != 1 or (weighted_aux is not None and steps != 1):
-            loss = ntp * scale + (weighted_aux / steps if weighted_aux is not None else 0)
+        per_item = self._aux_per_item(weighted_aux, num_items_in_batch)
+        if per_item:
+            # divided by the step's labelled tokens like the next-token loss: scaled like it, so that the step's
+            # gradient is one process's full-batch one under data parallelism and accumulation alike
+            loss = outputs.loss * scale if scale != 1 else loss
+        else:
+            # a per-micro-batch mean: when num_items_in_batch is given the Trainer no longer divides by the
+            # accumulation steps, so we do (as TRL does for the MoE aux loss); data parallelism averages it
+            steps = (
+                self.current_gradient_accumulation_steps if num_items_in_batch is not None and mode == "train" else 1
+            )
+            if scale != 1 or (weighted_aux is not None and steps != 1):
+                loss = ntp * scale + (weighted_aux / steps if weighted_aux is not None else 0)
         aux = AuxLoss(weighted_aux, outputs.aux_metrics or {}) if weighted_aux is not None else None
 
         if mode == "train":
             # guards the total loss (next-token and auxiliary parts alike) before the backward pass
             self._check_finite(loss, ntp, aux)
-        self._record_metrics(mode, outputs, labels, attention_mask, aux, num_items_in_batch, ntp)
+        self._record_metrics(mode, outputs, labels, attention_mask, aux, num_items_in_batch, ntp, aux_per_item=per_item)
         return (loss, outputs) if return_outputs else loss
+
+    def _aux_per_item(self, weighted_aux, num_items_in_batch) -> bool:
+        """The method's auxiliary loss is divided by the step's ``num_items_in_batch`` (its declared
+        ``aux_loss_normalization``, ``retrofit.model.halting.base.AUX_LOSS_NORMALIZATIONS``), not a per-micro-batch
+        mean."""
+        norm = getattr(self._looped.halting, "aux_loss_normalization", "micro_batch")
+        if norm not in AUX_LOSS_NORMALIZATIONS:
+            raise ValueError(
+                f"{type(self._looped.halting).__name__}.aux_loss_normalization must be one of "
+                f"{', '.join(AUX_LOSS_NORMALIZATIONS)}, got {norm!r}"
+            )
+        return weighted_aux is not None and num_items_in_batch is not None and norm == "num_items_in_batch"
 
     def _schedule_kwargs(self, method) -> dict:
         """The forward switches of this optimizer step (all read ``state.global_step``, so a resumed run is in

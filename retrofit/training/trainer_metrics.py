@@ -1,5 +1,6 @@
 """Metrics of ``RetrofitSFTTrainer``: next-token loss, mean depth (all tokens and answer tokens), the share of
-tokens per depth, token accuracy, the method's own scalars (averaged over processes), logged through TRL's
+tokens per depth, token accuracy, the method's own scalars (averaged over processes; an auxiliary loss divided by
+``num_items_in_batch`` is logged per labelled token of the micro-batch, as the next-token loss), logged through TRL's
 ``self._metrics``; with a TensorBoard writer, a ``depth_histogram`` per logging step.
 
 ``DepthMetricsMixin`` is mixed into the trainer (before TRL's ``SFTTrainer``); it reads the trainer's
@@ -19,7 +20,9 @@ class DepthMetricsMixin:
     """``_record_metrics`` (in ``compute_loss``); ``log`` adds the depth histogram."""
 
     @torch.no_grad()
-    def _record_metrics(self, mode, outputs, labels, attention_mask, aux: AuxLoss | None, num_items_in_batch, ntp):
+    def _record_metrics(
+        self, mode, outputs, labels, attention_mask, aux: AuxLoss | None, num_items_in_batch, ntp, aux_per_item=False
+    ):
         D = self._looped.loop.max_depth
         depths = outputs.depths
         valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(depths, dtype=torch.bool)
@@ -42,6 +45,8 @@ class DepthMetricsMixin:
         if aux is not None:
             names = ["aux_loss", *sorted(aux.metrics)]
             vals = [aux.loss.detach().float().reshape(())] + [aux.metrics[k].float().reshape(()) for k in names[1:]]
+            if aux_per_item:  # a sum over num_items_in_batch, like the next-token loss: logged per labelled token
+                vals[0] = vals[0] * float(num_items_in_batch)
         if outputs.depth_ce is not None:
             names += [f"depth_loss_{d + 1}" for d in range(outputs.depth_ce.numel())]
             vals += [v.detach().float().reshape(()) for v in outputs.depth_ce]
@@ -66,7 +71,10 @@ class DepthMetricsMixin:
         m["mean_token_accuracy"].append(correct_t / max(n_ans_t, 1.0))
         for k in range(D):
             m[f"depth_frac_{k + 1}"].append((counts_t[k] / n_tok).item())
-        for name, v in zip(names, (total[D + 4 :] / n_proc).tolist()):
+        means = (total[D + 4 :] / n_proc).tolist()
+        if aux_per_item and names:
+            means[0] = float(total[D + 4]) / max(n_ans_t, 1.0)
+        for name, v in zip(names, means):
             m[name].append(v)
         if mode == "train":
             self._total_train_tokens += int(n_tok.item()) // self._tp_size

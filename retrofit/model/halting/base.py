@@ -150,6 +150,18 @@ THRESHOLD_RULES = {
 }
 
 
+#: how a method's auxiliary loss may be normalized (``HaltingMethod.aux_loss_normalization``), which tells the
+#: trainer how to scale it (``retrofit.training.trainer.RetrofitSFTTrainer.compute_loss``)
+AUX_LOSS_NORMALIZATIONS = {
+    "micro_batch": "a mean over this forward's own tokens: the trainer divides it by the accumulation steps and "
+    "data parallelism averages it over the processes, so a step optimizes the mean over its micro-batches (one "
+    "process's full-batch mean only when every micro-batch holds as many tokens)",
+    "num_items_in_batch": "this forward's sum divided by the labelled tokens of the whole optimizer step, over every "
+    "process and micro-batch (the num_items_in_batch the forward receives), as the next-token loss is: the trainer "
+    "scales it as it scales that loss, which is exact under data parallelism and gradient accumulation",
+}
+
+
 class HaltingMethod(nn.Module):
     """Base class; see the module docstring for the call order and the declarations."""
 
@@ -182,6 +194,9 @@ class HaltingMethod(nn.Module):
     #: ``step`` reads each depth's state after the model's final norm (what the LM head reads), not the raw
     #: core output
     reads_final_norm: bool = False
+    #: how ``loss`` and ``decider_phase_loss`` are normalized (a key of ``AUX_LOSS_NORMALIZATIONS``); a property
+    #: where it depends on the method's loss options
+    aux_loss_normalization: str = "micro_batch"
 
     def __init__(self, hidden_size: int, loop: LoopConfig):
         super().__init__()
