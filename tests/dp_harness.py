@@ -76,6 +76,13 @@ METHODS = {
     "tah2_m3": dict(method="tah2", max_depth=3),
     "ouro": dict(method="ouro", max_depth=3),
 }
+#: ``--methods`` may also name these (not run by default): TaH2 without any batch-level statistic (ρ = 1, uniform
+#: weights, a static pos_weight), whose only data-parallel difference is its decider loss's per-process normalization
+EXTRA_METHODS = {
+    "tah2_kappa_free": dict(
+        method="tah2", max_depth=3, rho=1.0, decider_weighting="uniform", dyn_pos_weight=False, alpha_d=1.0
+    ),
+}
 #: rows per optimizer step, over all processes
 GLOBAL_BATCH = 4
 #: shared by every method: a small prelude, the rest looped, a small TaH2 decider
@@ -98,9 +105,9 @@ def build_model(name: str, fixed_graph: bool):
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        cfg = retrofit.LoopConfig(**LOOP, **METHODS[name], fixed_graph=fixed_graph)
+        cfg = retrofit.LoopConfig(**LOOP, **{**METHODS, **EXTRA_METHODS}[name], fixed_graph=fixed_graph)
         model = retrofit.convert(tiny_base("llama", seed=0), cfg)
-    if METHODS[name]["method"] == "tah2":
+    if cfg.method == "tah2":
         with torch.no_grad():
             spread_decider(model, logit_std=2.0, generator=torch.Generator().manual_seed(1))
     return model.train()
@@ -338,7 +345,7 @@ def compare_main(argv) -> int:
     p.add_argument("ref")
     p.add_argument("--engines", default="ddp,fsdp2,zero3")
     p.add_argument("--ref_engine", default="none", help="the reference's engine folder; 'same' = each engine's own")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join([*METHODS, *EXTRA_METHODS]))
     args = p.parse_args(argv)
     for engine in args.engines.split(","):
         for method in args.methods.split(","):
@@ -389,8 +396,8 @@ def main(argv=None) -> int:
         p.error(f"--engine {args.engine}: one launch runs {' then '.join(ENGINE_ORDER)} (torchrun), or one engine")
     methods = args.methods.split(",")
     for name in methods:
-        if name not in METHODS:
-            p.error(f"unknown method {name!r}; known: {', '.join(METHODS)}")
+        if name not in METHODS and name not in EXTRA_METHODS:
+            p.error(f"unknown method {name!r}; known: {', '.join([*METHODS, *EXTRA_METHODS])}")
     for engine in engines:
         for name in methods:
             train_one(name, engine, args, world)
