@@ -310,8 +310,9 @@ def _rel(a: float, b: float) -> float:
 
 def differences(run: dict, ref: dict) -> dict:
     """The largest differences of ``run`` from ``ref`` over the steps both recorded (two ``load`` results):
-    relative for losses, gradient norms and κ (every rank's κ against the reference's), absolute for label
-    counts and for the final weights (max |Δ| over every parameter)."""
+    relative for losses, gradient norms and κ (every rank's κ against the reference's: its one κ, or the same rank's
+    when both ran on as many processes), absolute for label counts and for the final weights (max |Δ| over every
+    parameter)."""
     a, b = global_steps(run), global_steps(ref)
     la, lb = logged(run), logged(ref)
     steps = sorted(set(a) & set(b))
@@ -327,7 +328,11 @@ def differences(run: dict, ref: dict) -> dict:
     if b[steps[0]]["aux"] is not None:
         d["aux"] = max(_rel(a[s]["aux"], b[s]["aux"]) for s in steps)
     if "kappa" in b[steps[0]]:
-        d["kappa"] = max(_rel(k, b[s]["kappa"][0]) for s in steps for k in a[s]["kappa"])
+        # every rank's κ against the reference's rank's (same world size) or against its one κ (one process)
+        def ref_kappa(s, rank):
+            return b[s]["kappa"][rank if len(b[s]["kappa"]) == len(a[s]["kappa"]) else 0]
+
+        d["kappa"] = max(_rel(k, ref_kappa(s, r)) for s in steps for r, k in enumerate(a[s]["kappa"]))
         d["decisions_step0"] = abs(a[steps[0]]["decisions"] - b[steps[0]]["decisions"])
         d["decisions"] = max(abs(a[s]["decisions"] - b[s]["decisions"]) for s in steps)
         d["positives"] = max(abs(a[s]["positives"] - b[s]["positives"]) for s in steps)
