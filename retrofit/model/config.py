@@ -253,7 +253,10 @@ class LoopConfig(LossConfig):
             seed's ablation).
         gumbel_tau: Temperature of ANIRA-E's straight-through Gumbel-softmax during training.
         fixed_graph: Always unroll all ``max_depth`` iterations, even when every token has exited.
-            Needed under DeepSpeed ZeRO-3, whose trace cache thrashes on dynamic control flow.
+            Needed under DeepSpeed ZeRO-3, whose trace cache thrashes on dynamic control flow, and under FSDP,
+            whose per-layer all-gathers hang when the ranks run the core a different number of times; the
+            recipes set it under both (``retrofit.training.model_setup.sharded_training``). The extra iterations
+            change no token: losses and gradients are the same.
         options: The method's own options (the fields of its ``Options`` dataclass, in the method's module),
             validated and completed with their defaults; a method without options takes none.
         deep_init_logit: Initial logit of the deciders' "continue" choice (ANIRA, and TaH2's ``"ffn"``

@@ -82,7 +82,7 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
     from transformers import set_seed
 
     from ..model.convert import base_model_of
-    from ..training.model_setup import build_looped_model, deepspeed_enabled, zero3_enabled
+    from ..training.model_setup import build_looped_model, sharded_training, zero3_enabled
     from ..training.trainer import NonFiniteLossError
 
     script, targs, largs = parse_recipe_args(spec, argv)
@@ -95,10 +95,11 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
         )
     set_seed(targs.seed)
 
-    # 1. The looped model. Under DeepSpeed the loop always unrolls max_depth iterations: ZeRO-3's parameter
-    #    prefetch traces the module order, and ZeRO-2 reduces gradients in buckets that every rank must fill
-    #    alike; a data-dependent depth breaks both (model_setup.deepspeed_enabled).
-    loop = largs.loop_config(fixed_graph=deepspeed_enabled(targs))
+    # 1. The looped model. Under DeepSpeed and FSDP the loop always unrolls max_depth iterations: ZeRO-3's
+    #    parameter prefetch traces the module order, ZeRO-2 reduces gradients in buckets that every rank must fill
+    #    alike, and FSDP all-gathers each layer every time it runs; a data-dependent depth breaks all three
+    #    (model_setup.deepspeed_enabled, fsdp_enabled).
+    loop = largs.loop_config(fixed_graph=sharded_training(targs))
     model, tokenizer = build_looped_model(largs.model, loop, dtype=getattr(torch, largs.dtype))
     pristine = None
     if controls or script.report:

@@ -101,6 +101,24 @@ def deepspeed_enabled(args=None) -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
 
 
+def fsdp_enabled(args=None) -> bool:
+    """FSDP is configured, by ``TrainingArguments.fsdp`` or ``accelerate launch`` (``launch/fsdp2.yaml``, on GPUs
+    or on CPU processes: ``retrofit.training.fsdp2_cpu``).
+
+    FSDP all-gathers a layer's parameters each time it runs: a rank that runs the core fewer times than the others
+    (its tokens all exited) leaves their collectives waiting forever, so the recipes unroll every depth here too.
+    """
+    if args is not None and getattr(args, "fsdp", None):
+        return True
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+
+
+def sharded_training(args=None) -> bool:
+    """DeepSpeed or FSDP: every rank must run the same modules the same number of times in every step, so the
+    recipes set ``LoopConfig.fixed_graph`` (``deepspeed_enabled``, ``fsdp_enabled``)."""
+    return deepspeed_enabled(args) or fsdp_enabled(args)
+
+
 def build_looped_model(spec: str, loop: LoopConfig, dtype=None, attn_implementation: str | None = None):
     """Load ``spec`` (``retrofit.hub.loading.load_model``) and retrofit it with ``loop``.
 

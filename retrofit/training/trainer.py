@@ -8,8 +8,11 @@ TRL's ``SFTTrainer``/``DPOTrainer``/``GRPOTrainer`` and ``transformers.Trainer``
 ``L_NTP(mixture) + α_D · L_D`` (TaH2), ``L_CE + γ · L_C`` (ANIRA-E/O) or ``L_NTP`` (fixed). The weights
 live in the model's ``LoopConfig``; the ``RetrofitSFTConfig`` fields of the same names override them
 (the trainer writes those set into the model's config). ``compute_loss`` adds the trainer-side
-switches (random depth, truncated backprop), scales the auxiliary loss for gradient accumulation as
-TRL does for a router loss, and records metrics.
+switches (random depth, truncated backprop), scales the auxiliary loss as its method normalizes it
+(``HaltingMethod.aux_loss_per_item``: a per-micro-batch mean is divided by the accumulation steps, as TRL does
+for a router loss, and averaged over processes; a sum over ``num_items_in_batch`` — TaH2's under
+``decider_loss_scope="global"`` — is scaled as the next-token loss is, which makes it exact under data parallelism
+and gradient accumulation), and records metrics.
 
 It logs, through TRL's ``self._metrics`` (so ``report_to="tensorboard"`` picks them up):
 ``ntp_loss``, ``aux_loss``, ``mean_depth`` (d̄ over non-padding tokens), ``mean_depth_answer``
@@ -49,6 +52,7 @@ from ..model.halting.tah2 import next_token_mask
 from ..model.modeling import LoopedForCausalLM
 from .checkpointing import remove_stale_staging
 from .config import RetrofitSFTConfig
+from .fsdp2_cpu import force_fsdp2, fsdp2_requested_on_cpu
 from .model_setup import (  # noqa: F401
     LORA_MODULES_TO_SAVE,
     LORA_TARGETS,
@@ -118,6 +122,15 @@ class RetrofitSFTTrainer(NanGuardMixin, CheckpointMixin, DepthMetricsMixin, SFTT
             self.eval_dataset = self._drop_bad_rows(self.eval_dataset, "eval")
         if self.args.should_save:
             remove_stale_staging(self.args.output_dir)
+
+    # -- accelerator -------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self):
+        """The Trainer's accelerator; FSDP2 asked for on CPU processes (``accelerate launch --config_file
+        launch/fsdp2.yaml … --use_cpu true``), which accelerate would silently run as DDP, runs as FSDP2
+        (``retrofit.training.fsdp2_cpu``)."""
+        super().create_accelerator_and_postprocess()
+        if fsdp2_requested_on_cpu(self.accelerator):
+            force_fsdp2(self)
 
     # -- optimizer ---------------------------------------------------------------------------------
     def get_decay_parameter_names(self, model) -> list[str]:

@@ -61,6 +61,9 @@ def rows_file(tmp_path_factory):
 
 def launch(config: str, recipe: str, args: list[str], extra_launch: list[str] = (), timeout=600):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    # the recipe's own folder (recipes/) heads its sys.path, not the repository: without this a checkout other than
+    # the installed one (a git worktree) would run the installed retrofit in the launched processes
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     cmd = [
         sys.executable,
         "-m",
@@ -238,6 +241,51 @@ def test_anira_llama_online(tmp_path, rows_file):
 
     loop = AutoConfig.from_pretrained(out / "final").loop_config
     assert (loop.method, loop.prelude, loop.core, loop.max_depth) == ("anira-o", 1, 4, 3)
+
+
+def test_anira_fsdp2_two_cpu_processes(tmp_path, rows_file):
+    """``launch/fsdp2.yaml`` on 2 CPU processes: FSDP2 for real (accelerate's CPU fallback to DDP is overridden by
+    ``RetrofitSFTTrainer``, retrofit.training.fsdp2_cpu), with ANIRA-O, whose sampled depths differ from rank to rank:
+    the recipe unrolls every depth (a rank that ran the core fewer times would leave the others' all-gathers
+    waiting), saves FSDP checkpoints and gathers the final model. Parity with one process:
+    tests/training/test_data_parallel.py."""
+    out = tmp_path / "fsdp2"
+    common = [a if a != "4" else "2" for a in COMMON]  # per-device batch 2
+    args = [
+        "--model",
+        "tiny-llama",
+        "--method",
+        "anira-o",
+        "--prelude",
+        "1",
+        "--core",
+        "4",
+        "--max_depth",
+        "3",
+        "--data_file",
+        str(rows_file),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "3",
+        "--save_steps",
+        "3",
+        "--depth_warmup_steps",
+        "0",
+        "--lora",
+        "false",
+        "--use_cpu",
+        "true",
+        *common,
+    ]
+    launch("fsdp2.yaml", "anira_llama.py", args, extra_launch=["--num_processes", "2", "--mixed_precision", "no"])
+    check_run(out, 3)
+    assert (out / "checkpoint-3" / "pytorch_model_fsdp.bin").exists()  # an FSDP checkpoint, not DDP's
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert AutoConfig.from_pretrained(out / "final").loop_config.fixed_graph is True
+    model = AutoModelForCausalLM.from_pretrained(out / "final")  # the gathered full state dict loads
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_ouro_llama_two_stages(tmp_path, rows_file):
