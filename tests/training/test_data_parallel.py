@@ -27,12 +27,10 @@ Tolerances, measured (2 CPU processes vs 1, torch 2.13 CPU, gloo) and set a few 
 - resume: measured bitwise equal (losses, records and weights) under every engine; checked with the same
   tolerances.
 
-TaH2 today computes κ per process and micro-batch and normalizes its decider loss by the process's own labelled
-tokens, so its κ, labels, losses and weights differ from one process (measured: step-0 κ 0.0143 and 0.0021 on the
-two ranks against 0.0021; weights 4.4e-3 (M = 2), 3.1e-3 (M = 3)): those cases are strict xfails (``KAPPA``), and
-turn into failures once κ's inputs are all-gathered and the decider loss is divided by the global
-``num_items_in_batch`` (then the marker goes). Its next-token loss at step 0 and its decisions at step 0 do not
-depend on κ: those pass now.
+TaH2 gathers κ's inputs over the ranks (``LoopConfig.kappa_gather``) and divides its decider loss by the global
+``num_items_in_batch`` (``decider_loss_scope="global"``), as the authors' release does; before it did (κ per
+process and micro-batch, the loss over the process's own labelled tokens) these tests measured a step-0 κ of
+0.0143 and 0.0021 on the two ranks against 0.0021 on one process, and weights 4.4e-3 (M = 2) / 3.1e-3 (M = 3) apart.
 """
 
 from __future__ import annotations
@@ -65,15 +63,9 @@ ENGINE_TYPES = {
     "zero3": ("DistributedType.DEEPSPEED", "DeepSpeedEngine", False, True),
 }
 
-KAPPA = pytest.mark.xfail(strict=True, reason="per-rank κ: fixed by the κ gather (issue 30 row 6)")
 
-
-def cases(methods=METHODS, xfail_tah2=False, engines=ENGINES):
-    return [
-        pytest.param(e, m, marks=KAPPA if xfail_tah2 and m.startswith("tah2") else (), id=f"{e}-{m}")
-        for e in engines
-        for m in methods
-    ]
+def cases(methods=METHODS, engines=ENGINES):
+    return [pytest.param(e, m, id=f"{e}-{m}") for e in engines for m in methods]
 
 
 def _free_port() -> int:
@@ -192,14 +184,14 @@ def test_same_rows_and_first_step_next_token_loss(runs, engine, method):
         assert a[0]["decisions"] == b[0]["decisions"] > 0
 
 
-@pytest.mark.parametrize("engine, method", cases(xfail_tah2=True))
+@pytest.mark.parametrize("engine, method", cases())
 def test_first_step_loss(runs, engine, method):
     """The logged loss at step 0 (next-token + the method's auxiliary loss). TaH2's auxiliary loss reads κ."""
     ref, run = H.logged(runs.reference(method)), H.logged(runs.run(engine, method))
     assert _rel(run[0]["loss"], ref[0]["loss"]) <= LOSS_STEP0_RTOL, (run[0]["loss"], ref[0]["loss"])
 
 
-@pytest.mark.parametrize("engine, method", cases(xfail_tah2=True))
+@pytest.mark.parametrize("engine, method", cases())
 def test_every_step_losses(runs, engine, method):
     """Every step's logged loss and gradient norm, next-token loss and auxiliary loss."""
     d = H.differences(runs.run(engine, method), runs.reference(method))
@@ -207,7 +199,7 @@ def test_every_step_losses(runs, engine, method):
     assert max(worst.values()) <= STEP_RTOL, worst
 
 
-@pytest.mark.parametrize("engine, method", cases(methods=("tah2_m2", "tah2_m3"), xfail_tah2=True))
+@pytest.mark.parametrize("engine, method", cases(methods=("tah2_m2", "tah2_m3")))
 def test_every_step_kappa_and_labels(runs, engine, method):
     """Every rank's κ is the whole batch's; the "continue" labels and the decisions, summed over ranks, are the
     one process's."""
@@ -218,7 +210,7 @@ def test_every_step_kappa_and_labels(runs, engine, method):
         assert (a[step]["positives"], a[step]["decisions"]) == (b[step]["positives"], b[step]["decisions"]), step
 
 
-@pytest.mark.parametrize("engine, method", cases(xfail_tah2=True))
+@pytest.mark.parametrize("engine, method", cases())
 def test_final_weights(runs, engine, method):
     """The full state dict after 3 steps (gathered under FSDP2 / ZeRO-3) against one process's."""
     d = H.differences(runs.run(engine, method), runs.reference(method))
