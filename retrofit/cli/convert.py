@@ -26,6 +26,7 @@ input (a missing or truncated model file, an invalid loop spec…) is one ``erro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 import shutil
@@ -37,11 +38,6 @@ import torch
 
 from ..model import registry
 from ..model.config import (
-    ATTENTION_MODES,
-    DECIDER_INITS,
-    DECIDER_STATES,
-    DECIDER_WIDTH_RULES,
-    UPDATERS,
     LoopConfig,
 )
 from ..model.errors import RetrofitUserError
@@ -182,72 +178,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         help="base model: smollm2 | tiny-llama | tiny-qwen3 | path/to/model.gguf | local folder | hub id",
     )
-    p.add_argument("--prelude", type=int, default=0, help="leading layers run once (0 = loop from the first layer)")
-    p.add_argument("--core", type=int, default=None, help="layers looped after the prelude (default: all remaining)")
-    p.add_argument("--max-depth", type=int, default=2, help="maximum core iterations D")
-    p.add_argument(
-        "--method",
-        default="tah2",
-        choices=registry.names(),
-        help="halting method: " + "; ".join(f"{n}: {registry.method_class(n).description}" for n in registry.names()),
-    )
-    p.add_argument(
-        "--attention", default=None, choices=ATTENTION_MODES, help="attention across depths (default: the method's)"
-    )
-    p.add_argument(
-        "--updater-hidden",
-        type=int,
-        default=None,
-        help="updater MLP width (default: hidden size; lower it to save parameters)",
-    )
-    p.add_argument(
-        "--updater",
-        default=None,
-        choices=UPDATERS,
-        help="how depth d+1's core input is made: release (the TaH2 release's SwiGLU updater) or residual "
-        "(e + a zero-initialized MLP); default: the method's (release for tah2, residual otherwise)",
-    )
-    p.add_argument(
-        "--decider-state",
-        default=None,
-        choices=DECIDER_STATES,
-        help="the state the decider and updater read: final_norm (the final norm of the core output) or core; "
-        "default: the method's (final_norm for tah2, core otherwise)",
-    )
-    p.add_argument(
-        "--decider-hidden", type=int, default=None, help="decider width (default: the --decider-width-rule's)"
-    )
-    p.add_argument(
-        "--decider-width-rule",
-        default=None,
-        choices=DECIDER_WIDTH_RULES,
-        help="decider width without --decider-hidden: release (hidden size, halved until the heads fit 3%% of "
-        "the base) or quarter (hidden size / 4); default: the method's (release for tah2)",
-    )
-    p.add_argument(
-        "--decider-top-k",
-        type=int,
-        default=None,
-        help="tah2: top-K next-token probabilities the decider reads (default: the hidden size; 0 = none)",
-    )
-    p.add_argument(
-        "--decider-topk-grad",
-        type=_boolean,
-        default=None,
-        help="tah2: the top-K probabilities enter the decider with gradient (true/false; default true)",
-    )
-    p.add_argument(
-        "--decider-init",
-        default=None,
-        choices=DECIDER_INITS,
-        help="tah2 decider's inner layers at init: torch (PyTorch's default) or normal; default: the method's",
-    )
-    p.add_argument(
-        "--padding-stops",
-        type=_boolean,
-        default=None,
-        help="padding stops at depth 1 and gets no lookahead iteration (true/false; default: true for tah2)",
-    )
+    for name, kind, default, help_ in loop_flags():  # every LoopConfig field, declared once there
+        kw = {"choices": registry.names()} if name == "method" else {}
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=help_, **kw)
     for name, (f, owners) in registry.option_fields().items():  # each method's own options, declared once there
         hint = typing.get_type_hints(registry.method_class(owners[0]).Options)[name]
         p.add_argument(
@@ -264,6 +197,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-model", default=None, help="record this base model id for the model card")
     p.add_argument("--license", default=None, help="record this license for the model card")
     p.add_argument("--no-check", action="store_true", help="skip the identity-at-init check")
+
+
+def _scalar(hint):
+    """The argparse ``type`` of a ``LoopConfig`` field's hint (``int | None`` -> ``int``; bools take true/false)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    kind = args[0]
+    if kind is bool:
+        return _boolean
+    return kind if kind in (int, float, str) else str
+
+
+def loop_flags() -> list[tuple[str, object, object, str]]:
+    """``(name, argparse type, default, help)`` of every ``LoopConfig`` field but ``options``/``extra``: the flags
+    of ``retrofit convert``, made from ``LoopConfig`` (its defaults and help)."""
+    hints = typing.get_type_hints(LoopConfig)
+    out = []
+    for f in dataclasses.fields(LoopConfig):
+        if f.name in ("options", "extra"):
+            continue
+        out.append((f.name, _scalar(hints[f.name]), f.default, f.metadata.get("help", "")))
+    return out
 
 
 def _boolean(v: str) -> bool:

@@ -122,20 +122,71 @@ class LossConfig:
             labelled tokens, the trainer dividing by the accumulation steps.
     """
 
-    alpha_d: float = 0.05
-    rho: float = 0.99
-    decider_weighting: str = "distance"
-    gamma: float = 0.01
-    prior_base: float = 2.0
-    dyn_pos_weight: bool = True
-    pos_weight: float = 1.0
-    cost_min: float = 1e-6
-    cost_max: float | None = 1.0
-    decider_loss_norm: str = "tokens"
-    bce_margin: float = 0.0
-    kappa_scope: str = "per-boundary"
-    kappa_gather: bool = True
-    decider_loss_scope: str = "global"
+    alpha_d: float = field(default=0.05, metadata={"help": "TaH2: weight α_D of the decider loss."})
+    rho: float = field(
+        default=0.99,
+        metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels; 1.0 = every positive gain."},
+    )
+    decider_weighting: str = field(
+        default="distance",
+        metadata={"help": "TaH2: BCE weights, 'distance' = |δ - κ| or 'uniform' (ablation)."},
+    )
+    gamma: float = field(default=0.01, metadata={"help": "ANIRA: weight γ of the KL-to-prior loss L_C."})
+    prior_base: float = field(
+        default=2.0, metadata={"help": "ANIRA: base b of the depth prior p(d) ∝ b^(-d); 1 = entropy term only."}
+    )
+    dyn_pos_weight: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "TaH2: BCE pos_weight = the batch's negative/positive label ratio per depth, clamped to "
+                "(the authors' release); false = the static --pos_weight."
+            )
+        },
+    )
+    pos_weight: float = field(
+        default=1.0, metadata={"help": "TaH2: static BCE pos_weight when --dyn_pos_weight false."}
+    )
+    cost_min: float = field(default=1e-6, metadata={"help": "TaH2: lower clamp of the cost-sensitive weights |δ - κ|."})
+    cost_max: float | None = field(
+        default=1.0, metadata={"help": "TaH2: upper clamp of the cost-sensitive weights; inf = unbounded."}
+    )
+    decider_loss_norm: str = field(
+        default="tokens",
+        metadata={"help": ("TaH2: L_D = Σ w·BCE / labelled tokens ('tokens', the release) or / Σ w ('weights').")},
+    )
+    bce_margin: float = field(
+        default=0.0, metadata={"help": "TaH2: BCE margin m in logit space (the release's bce_margin)."}
+    )
+    kappa_scope: str = field(
+        default="per-boundary",
+        metadata={
+            "help": (
+                "TaH2 at max_depth >= 3: 'per-boundary' = one cutoff κ per depth boundary over the tokens "
+                "labelled continue at the boundary before, the others' later decisions at weight cost_min "
+                "(the release); 'pooled' = one κ over every decision. Identical at max_depth 2."
+            )
+        },
+    )
+    kappa_gather: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "TaH2: gather the cutoff's gains from every data-parallel rank, so all ranks use one κ (the"
+                " release); false = κ per process."
+            )
+        },
+    )
+    decider_loss_scope: str = field(
+        default="global",
+        metadata={
+            "help": (
+                "TaH2: 'global' = divide L_D by num_items_in_batch (labelled tokens of every rank and "
+                "accumulation step) and scale it like the LM loss (the release); 'local' = divide by the "
+                "micro-batch's labelled tokens and by the accumulation steps."
+            )
+        },
+    )
 
     def __post_init__(self):
         if not 0.0 < self.rho <= 1.0:
@@ -269,29 +320,133 @@ class LoopConfig(LossConfig):
             its loss.
     """
 
-    prelude: int = 0
-    core: int | None = None
-    max_depth: int = 2
-    method: str = "tah2"
-    attention: str | None = None
-    updater: str | None = None
-    updater_hidden: int | None = None
-    decider_state: str | None = None
-    decider_hidden: int | None = None
-    decider_width_rule: str | None = None
-    decider_top_k: int | None = None
-    decider_topk_grad: bool | None = None
-    decider_arch: str = "swiglu"
-    decider_init_std: float = 0.01
-    decider_init: str | None = None
-    padding_stops: bool | None = None
-    exit_threshold: float = 0.5
-    halt_threshold: float = 0.5
-    mixture_output: bool = True
-    train_decisions: str = "threshold"
-    gumbel_tau: float = 1.0
-    fixed_graph: bool = False
-    deep_init_logit: float = 3.0
+    prelude: int = field(
+        default=0, metadata={"help": "Layers run once before the loop (0 = whole-stack looping, as TaH2 and Ouro)."}
+    )
+    core: int | None = field(
+        default=None,
+        metadata={"help": "Layers looped after the prelude; the rest form the coda. None = all remaining."},
+    )
+    max_depth: int = field(
+        default=2, metadata={"help": "Maximum iterations (TaH2's M; ANIRA's D). Compute grows ~linearly with it."}
+    )
+    method: str = field(
+        default="tah2",
+        metadata={"help": ("Halting method: tah2, anira-e, anira-o or fixed (the recipe says which it takes).")},
+    )
+    attention: str | None = field(
+        default=None, metadata={"help": "duo-causal (TaH2) or same-depth (ANIRA); default: the method's own."}
+    )
+    updater: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "How depth d+1's core input is made: 'release' (the TaH2 release's SwiGLU updater, replaces"
+                " the core input, PyTorch init) or 'residual' (e + a zero-initialized MLP). None = the "
+                "method's default (release for tah2, residual otherwise)."
+            )
+        },
+    )
+    updater_hidden: int | None = field(default=None, metadata={"help": "Updater MLP width; None = hidden size."})
+    decider_state: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "The state the decider and updater read after each depth: 'final_norm' (the final norm of "
+                "the core output, the release) or 'core' (the core output). None = the method's default "
+                "(final_norm for tah2, core otherwise)."
+            )
+        },
+    )
+    decider_hidden: int | None = field(
+        default=None, metadata={"help": "Decider width; None = the width of --decider_width_rule."}
+    )
+    decider_width_rule: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Decider width when --decider_hidden is not set: 'release' (hidden size, halved until the "
+                "heads fit 3%% of the base) or 'quarter' (hidden size / 4). None = the method's default "
+                "(release for tah2)."
+            )
+        },
+    )
+    decider_top_k: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "tah2: top-K next-token probabilities the decider reads; None = the hidden size (the "
+                "release: its RMSNorm(hidden) over them reads H of them); 0 = none."
+            )
+        },
+    )
+    decider_topk_grad: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "tah2: the top-K probabilities enter the decider with gradient, so the decider loss also "
+                "shapes the LM distribution (the release); false = detached. None = the method's default "
+                "(true)."
+            )
+        },
+    )
+    decider_arch: str = field(
+        default="swiglu",
+        metadata={
+            "help": (
+                "tah2: the decider's body: 'swiglu' (the authors' release: per-part norms, SwiGLU MLP, "
+                "bias-free score at N(0, 0.01)) or 'ffn' (retrofit < 0.2, starts at deep_init_logit)."
+            )
+        },
+    )
+    decider_init_std: float = field(
+        default=0.01, metadata={"help": "tah2 'swiglu' decider: std of the score layer at init (release: 0.01)."}
+    )
+    decider_init: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "tah2 'swiglu' decider's inner layers at init: 'torch' (PyTorch's default, the release) or "
+                "'normal' (N(0, initializer_range)). None = the method's default (torch for tah2)."
+            )
+        },
+    )
+    padding_stops: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Padding positions stop at depth 1 and get no lookahead iteration (the release); false = "
+                "padding runs the loop. None = the method's default (true for tah2)."
+            )
+        },
+    )
+    exit_threshold: float = field(
+        default=0.5, metadata={"help": "tah2: τ_exit, stop at the first depth whose continue prob < τ."}
+    )
+    halt_threshold: float = field(
+        default=0.5,
+        metadata={"help": ("anira-o inference: stop once the cumulative halting mass reaches it (0.5 = median).")},
+    )
+    mixture_output: bool = field(
+        default=True, metadata={"help": "tah2: mixture of per-depth outputs; false = final depth only (ablation)."}
+    )
+    train_decisions: str = field(
+        default="threshold", metadata={"help": "tah2: 'threshold' (on-policy) or 'sample' (ablation)."}
+    )
+    gumbel_tau: float = field(default=1.0, metadata={"help": "anira-e training: Gumbel-softmax temperature."})
+    fixed_graph: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Unroll every depth in training even when every token has exited (a static graph: set by "
+                "the recipes under DeepSpeed ZeRO-3 and FSDP, whose collectives need every rank to run the "
+                "same layers)."
+            )
+        },
+    )
+    deep_init_logit: float = field(
+        default=3.0, metadata={"help": "Initial continue logit of the deciders (> 0 = start deep; σ(3) = 0.95)."}
+    )
     options: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -1,5 +1,5 @@
-"""``RetrofitSFTConfig``: TRL's ``SFTConfig`` plus the looped methods' loss weights and training switches
-(the trainer that reads it: ``retrofit.training.trainer``)."""
+"""``RetrofitSFTConfig``: TRL's ``SFTConfig`` plus the looped methods' training switches (the trainer that reads it:
+``retrofit.training.trainer``). The methods' loss weights are the model's (``LoopConfig``), declared once there."""
 
 from __future__ import annotations
 
@@ -8,87 +8,22 @@ from dataclasses import dataclass, field
 import torch
 from trl import SFTConfig
 
-from ..model.config import LOSS_FIELDS, LoopConfigError
-from ..model.halting.base import LossConfig
-
 
 @dataclass
 class RetrofitSFTConfig(SFTConfig):
-    """``SFTConfig`` plus the looped methods' loss weights and training switches.
+    """``SFTConfig`` plus the looped methods' training switches (schedules, phases, head learning rates).
 
-    Every paper choice is a field, so an ablation is one flag (``--decider_weighting uniform``,
-    ``--rho 1.0``). The loss weights (``alpha_d``, ``rho``, ``decider_weighting``, ``gamma``,
-    ``prior_base``) default to None, "the model's": the model's ``LoopConfig`` holds them, and a value
-    set here overrides it (the trainer writes it into the model's config, so the saved checkpoint
-    records it). Model-side switches (``train_decisions="sample"``, ``mixture_output=False``,
-    ``fixed_graph``) live in ``LoopConfig``; the recipes expose them as flags too.
+    The methods' loss weights and switches (``alpha_d``, ``rho``, ``decider_weighting``, ``gamma``, ``prior_base``,
+    ...) are not here: the model computes its own auxiliary loss from its ``LoopConfig``, which declares them once;
+    the recipes' flags for them are made from ``LoopConfig`` (``retrofit.training.model_setup.LoopArgs``), and a
+    model built outside a recipe takes them in its ``LoopConfig``. Every paper choice is one flag either way
+    (``--decider_weighting uniform``, ``--rho 1.0``).
 
     On a machine without CUDA, ``bf16`` defaults to False (TRL defaults it to True). Unused
     parameters are expected (an adaptive depth may skip the updater in a step), so
     ``ddp_find_unused_parameters`` defaults to True.
     """
 
-    # loss weights: None = the model's LoopConfig value (defaults in brackets)
-    alpha_d: float | None = field(default=None, metadata={"help": "TaH2: weight α_D of the decider loss [0.05]."})
-    rho: float | None = field(
-        default=None,
-        metadata={"help": "TaH2: cutoff mass ρ of the lookahead labels [0.99]; 1.0 = every positive gain."},
-    )
-    decider_weighting: str | None = field(
-        default=None, metadata={"help": "TaH2: BCE weights, 'distance' = |δ - κ| [default] or 'uniform' (ablation)."}
-    )
-    gamma: float | None = field(default=None, metadata={"help": "ANIRA: weight γ of the KL-to-prior loss L_C [0.01]."})
-    prior_base: float | None = field(
-        default=None, metadata={"help": "ANIRA: base b of the depth prior p(d) ∝ b^(-d) [2]; 1 = entropy term only."}
-    )
-    dyn_pos_weight: bool | None = field(
-        default=None,
-        metadata={
-            "help": "TaH2: BCE pos_weight = the batch's negative/positive label ratio per depth, clamped to "
-            "[0.02, 50] (the authors' release) [true]; false = the static --pos_weight."
-        },
-    )
-    pos_weight: float | None = field(
-        default=None, metadata={"help": "TaH2: static BCE pos_weight when --dyn_pos_weight false [1]."}
-    )
-    cost_min: float | None = field(
-        default=None, metadata={"help": "TaH2: lower clamp of the cost-sensitive weights |δ - κ| [1e-6]."}
-    )
-    cost_max: float | None = field(
-        default=None, metadata={"help": "TaH2: upper clamp of the cost-sensitive weights [1]; inf = unbounded."}
-    )
-    decider_loss_norm: str | None = field(
-        default=None,
-        metadata={
-            "help": "TaH2: L_D = Σ w·BCE / labelled tokens ('tokens', the release) [default] or / Σ w ('weights')."
-        },
-    )
-    bce_margin: float | None = field(
-        default=None, metadata={"help": "TaH2: BCE margin m in logit space (the release's bce_margin) [0]."}
-    )
-    kappa_scope: str | None = field(
-        default=None,
-        metadata={
-            "help": "TaH2 at max_depth >= 3: 'per-boundary' = one cutoff κ per depth boundary over the tokens "
-            "labelled continue at the boundary before, the others' later decisions at weight cost_min (the "
-            "release) [default]; 'pooled' = one κ over every decision. Identical at max_depth 2."
-        },
-    )
-    kappa_gather: bool | None = field(
-        default=None,
-        metadata={
-            "help": "TaH2: gather the cutoff's gains from every data-parallel rank, so all ranks use one κ (the "
-            "release) [true]; false = κ per process."
-        },
-    )
-    decider_loss_scope: str | None = field(
-        default=None,
-        metadata={
-            "help": "TaH2: 'global' = divide L_D by num_items_in_batch (labelled tokens of every rank and "
-            "accumulation step) and scale it like the LM loss (the release) [default]; 'local' = divide by the "
-            "micro-batch's labelled tokens and by the accumulation steps."
-        },
-    )
     decay_norms: bool = field(
         default=False,
         metadata={
@@ -190,21 +125,7 @@ class RetrofitSFTConfig(SFTConfig):
                 f"({self.depth_warmup_steps}), got {v!r}"
             )
         self.depth_schedule_steps  # noqa: B018  (validates depth_schedule)
-        try:
-            _ = self.loss_config  # validates the loss weights and switches
-        except ValueError as e:  # a user error: one line from the recipes (LoopConfigError is a RetrofitUserError)
-            raise LoopConfigError(str(e)) from None
         super().__post_init__()
-
-    @property
-    def loss_overrides(self) -> dict:
-        """The loss weights set here (not None): what the trainer writes into the model's ``LoopConfig``."""
-        return {k: getattr(self, k) for k in LOSS_FIELDS if getattr(self, k) is not None}
-
-    @property
-    def loss_config(self) -> LossConfig:
-        """The overrides on top of the default weights (the model's own may differ where none is set)."""
-        return LossConfig(**self.loss_overrides)
 
     @property
     def depth_schedule_steps(self) -> list[tuple[int, int]]:

@@ -6,6 +6,7 @@ prelude, check identity at init, wrap it for LoRA, detect ZeRO-3.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import typing
@@ -151,8 +152,8 @@ def build_looped_model(spec: str, loop: LoopConfig, dtype=None, attn_implementat
 
 
 @dataclass
-class LoopArgs:
-    """The model and how it loops (the recipe's ``ModelConfig``)."""
+class ModelArgs:
+    """The base model, its dtype, freezing and LoRA: the recipe's model arguments beside the loop's."""
 
     model: str = field(
         default="smollm2",
@@ -163,110 +164,6 @@ class LoopArgs:
     )
     dtype: str = field(
         default="float32", metadata={"help": "Weights dtype: float32 (use --bf16 for mixed precision) or bfloat16."}
-    )
-    method: str = field(
-        default="tah2",
-        metadata={"help": "Halting method: tah2, anira-e, anira-o or fixed (the recipe says which it takes)."},
-    )
-    prelude: int = field(
-        default=0, metadata={"help": "Layers run once before the loop (0 = whole-stack looping, as TaH2 and Ouro)."}
-    )
-    core: int | None = field(
-        default=None,
-        metadata={"help": "Layers looped after the prelude; the rest form the coda. None = all remaining."},
-    )
-    max_depth: int = field(
-        default=2, metadata={"help": "Maximum iterations (TaH2's M; ANIRA's D). Compute grows ~linearly with it."}
-    )
-    attention: str | None = field(
-        default=None, metadata={"help": "duo-causal (TaH2) or same-depth (ANIRA); default: the method's own."}
-    )
-    exit_threshold: float = field(
-        default=0.5, metadata={"help": "tah2: τ_exit, stop at the first depth whose continue prob < τ."}
-    )
-    decider_top_k: int | None = field(
-        default=None,
-        metadata={
-            "help": "tah2: top-K next-token probabilities the decider reads; None = the hidden size (the release: "
-            "its RMSNorm(hidden) over them reads H of them); 0 = none."
-        },
-    )
-    decider_topk_grad: bool | None = field(
-        default=None,
-        metadata={
-            "help": "tah2: the top-K probabilities enter the decider with gradient, so the decider loss also "
-            "shapes the LM distribution (the release); false = detached. None = the method's default (true)."
-        },
-    )
-    updater: str | None = field(
-        default=None,
-        metadata={
-            "help": "How depth d+1's core input is made: 'release' (the TaH2 release's SwiGLU updater, replaces the "
-            "core input, PyTorch init) or 'residual' (e + a zero-initialized MLP). None = the method's default "
-            "(release for tah2, residual otherwise).",
-            "choices": ["release", "residual"],
-        },
-    )
-    decider_state: str | None = field(
-        default=None,
-        metadata={
-            "help": "The state the decider and updater read after each depth: 'final_norm' (the final norm of the "
-            "core output, the release) or 'core' (the core output). None = the method's default (final_norm for "
-            "tah2, core otherwise).",
-            "choices": ["final_norm", "core"],
-        },
-    )
-    decider_width_rule: str | None = field(
-        default=None,
-        metadata={
-            "help": "Decider width when --decider_hidden is not set: 'release' (hidden size, halved until the heads "
-            "fit 3%% of the base) or 'quarter' (hidden size / 4). None = the method's default (release for tah2).",
-            "choices": ["release", "quarter"],
-        },
-    )
-    decider_init: str | None = field(
-        default=None,
-        metadata={
-            "help": "tah2 'swiglu' decider's inner layers at init: 'torch' (PyTorch's default, the release) or "
-            "'normal' (N(0, initializer_range)). None = the method's default (torch for tah2).",
-            "choices": ["torch", "normal"],
-        },
-    )
-    padding_stops: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Padding positions stop at depth 1 and get no lookahead iteration (the release); false = padding "
-            "runs the loop. None = the method's default (true for tah2)."
-        },
-    )
-    decider_arch: str = field(
-        default="swiglu",
-        metadata={
-            "help": "tah2: the decider's body: 'swiglu' (the authors' release: per-part norms, SwiGLU MLP, bias-free "
-            "score at N(0, 0.01)) or 'ffn' (retrofit < 0.2, starts at deep_init_logit).",
-            "choices": ["swiglu", "ffn"],
-        },
-    )
-    decider_init_std: float = field(
-        default=0.01, metadata={"help": "tah2 'swiglu' decider: std of the score layer at init (release: 0.01)."}
-    )
-    train_decisions: str = field(
-        default="threshold", metadata={"help": "tah2: 'threshold' (on-policy) or 'sample' (ablation)."}
-    )
-    mixture_output: bool = field(
-        default=True, metadata={"help": "tah2: mixture of per-depth outputs; false = final depth only (ablation)."}
-    )
-    halt_threshold: float = field(
-        default=0.5,
-        metadata={"help": "anira-o inference: stop once the cumulative halting mass reaches it (0.5 = median)."},
-    )
-    gumbel_tau: float = field(default=1.0, metadata={"help": "anira-e training: Gumbel-softmax temperature."})
-    updater_hidden: int | None = field(default=None, metadata={"help": "Updater MLP width; None = hidden size."})
-    decider_hidden: int | None = field(
-        default=None, metadata={"help": "Decider width; None = the width of --decider_width_rule."}
-    )
-    deep_init_logit: float = field(
-        default=3.0, metadata={"help": "Initial continue logit of the deciders (> 0 = start deep; σ(3) = 0.95)."}
     )
     freeze_prelude: bool = field(
         default=False,
@@ -298,10 +195,35 @@ class LoopArgs:
         if self.lora_layers not in ("all", "after_prelude"):
             raise ValueError(f"lora_layers must be 'all' or 'after_prelude'; got {self.lora_layers!r}")
 
-    def loop_config(self, fixed_graph: bool = False, **override) -> LoopConfig:
-        """The ``LoopConfig`` these arguments describe: every ``LoopConfig`` field that ``LoopArgs`` has
-        (``LoopConfig.from_fields``); ``override`` replaces fields, e.g. for a control."""
-        return LoopConfig.from_fields(self, fixed_graph=fixed_graph, **override)
+
+def _loop_config(self, fixed_graph: bool = False, **override) -> LoopConfig:
+    """The ``LoopConfig`` these arguments describe: every ``LoopConfig`` field that ``LoopArgs`` has
+    (``LoopConfig.from_fields``); ``override`` replaces fields, e.g. for a control."""
+    return LoopConfig.from_fields(self, fixed_graph=fixed_graph, **override)
+
+
+def _loop_fields() -> list[tuple]:
+    """Every ``LoopConfig`` field (its loss weights included) as a flag: its own type, default and help, declared
+    once there (``options`` and ``extra`` aside: a method's options get flags of their own, ``loop_args_class``)."""
+    hints = typing.get_type_hints(LoopConfig)
+    out = []
+    for f in dataclasses.fields(LoopConfig):
+        if f.name in ("options", "extra"):
+            continue
+        out.append((f.name, hints[f.name], field(default=f.default, metadata=dict(f.metadata))))
+    return out
+
+
+#: The model and how it loops (the recipe's ``ModelConfig``): ``ModelArgs`` plus every ``LoopConfig`` field, made
+#: from ``LoopConfig`` itself (its defaults and help), so no setting has a second declaration with a default of its own.
+LoopArgs = dataclasses.make_dataclass(
+    "LoopArgs", _loop_fields(), bases=(ModelArgs,), namespace={"loop_config": _loop_config}
+)
+LoopArgs.__module__ = __name__
+LoopArgs.__doc__ = (
+    "The model and how it loops: ``ModelArgs`` (model, dtype, freezing, LoRA) plus every ``LoopConfig`` field, "
+    "generated from ``LoopConfig`` (same names, types, defaults and help)."
+)
 
 
 _LOOP_ARGS_WITH_OPTIONS: dict[tuple, type] = {}

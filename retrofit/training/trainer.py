@@ -6,9 +6,8 @@ The halting methods' objectives (docs/tah2.md, docs/anira.md) belong to the mode
 returns ``loss`` = next-token loss + the method's weighted ``aux_loss`` (``retrofit.model.modeling``), so
 TRL's ``SFTTrainer``/``DPOTrainer``/``GRPOTrainer`` and ``transformers.Trainer`` all optimize
 ``L_NTP(mixture) + α_D · L_D`` (TaH2), ``L_CE + γ · L_C`` (ANIRA-E/O) or ``L_NTP`` (fixed). The weights
-live in the model's ``LoopConfig``; the ``RetrofitSFTConfig`` fields of the same names override them
-(the trainer writes those set into the model's config). ``compute_loss`` adds the trainer-side
-switches (random depth, truncated backprop), scales the auxiliary loss as its method normalizes it
+live in the model's ``LoopConfig`` only (the recipes' flags for them are made from it). ``compute_loss`` adds the
+trainer-side switches (random depth, truncated backprop), scales the auxiliary loss as its method normalizes it
 (``HaltingMethod.aux_loss_per_item``: a per-micro-batch mean is divided by the accumulation steps, as TRL does
 for a router loss, and averaged over processes; a sum over ``num_items_in_batch`` — TaH2's under
 ``decider_loss_scope="global"`` — is scaled as the next-token loss is, which makes it exact under data parallelism
@@ -102,10 +101,6 @@ class RetrofitSFTTrainer(NanGuardMixin, CheckpointMixin, DepthMetricsMixin, SFTT
         if not isinstance(args, RetrofitSFTConfig):
             raise TypeError(f"args must be a RetrofitSFTConfig, got {type(args).__name__}")
         self._looped = _unwrap_looped(model)
-        if args.loss_overrides:
-            # the model computes its auxiliary loss from its LoopConfig: a new dict, so it is re-read
-            self._looped.config.loop = {**(self._looped.config.loop or {}), **args.loss_overrides}
-            self._looped.loop  # noqa: B018  (validates the new weights)
         self._staging_root: str | None = None
         self._depth_counts = {"train": None, "eval": None}
         self.data_report: dict[str, dict] = {}

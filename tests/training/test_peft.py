@@ -10,7 +10,7 @@ from sft_setup import addition_rows, sft_config
 
 import retrofit
 from retrofit.testing import char_tokenizer, spread_decider, tiny_base
-from retrofit.training import LORA_TARGETS, RetrofitSFTConfig, RetrofitSFTTrainer, apply_lora
+from retrofit.training import LORA_TARGETS, RetrofitSFTTrainer, apply_lora
 from retrofit.training.checkpointing import assert_safetensors_only
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,9 +55,7 @@ def test_lora_trains_adapters_and_heads_only(family):
     model.train()
     ids = ids_batch()
     out = model(input_ids=ids, labels=ids)
-    aux = model.get_base_model().halting.loss(
-        out, ids, RetrofitSFTConfig(output_dir="/tmp/x", use_cpu=True).loss_config
-    )
+    aux = model.get_base_model().halting.loss(out, ids, model.get_base_model().loop.loss_config)
     torch.testing.assert_close(out.aux_loss, aux.loss)  # the forward's loss already holds the decider loss
     out.loss.backward()
     heads = [p for n, p in model.named_parameters() if ".modules_to_save." in n]

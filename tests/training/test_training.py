@@ -3,6 +3,7 @@ atomic checkpoints and resume (CPU, tiny models, a few steps each)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -83,21 +84,37 @@ def test_config_defaults_and_validation(tmp_path):
     args = RetrofitSFTConfig(output_dir=str(tmp_path), use_cpu=True)
     assert args.bf16 is False  # TRL's default (True) is turned off on CPU
     assert args.ddp_find_unused_parameters is True
-    lc = args.loss_config
-    assert (lc.alpha_d, lc.rho, lc.decider_weighting) == (0.05, 0.99, "distance")
-    assert (
-        RetrofitSFTConfig(output_dir=str(tmp_path), use_cpu=True, rho=1.0, decider_weighting="uniform").loss_config.rho
-        == 1.0
-    )
     for bad, match in [
-        (dict(rho=1.5), "rho"),
-        (dict(decider_weighting="squared"), "decider_weighting"),
         (dict(truncate_backprop=0), "truncate_backprop"),
         (dict(random_depth_mean=0.5), "random_depth_mean"),
-        (dict(prior_base=-1.0), "prior_base"),
     ]:
         with pytest.raises(ValueError, match=match):
             RetrofitSFTConfig(output_dir=str(tmp_path), use_cpu=True, **bad)
+    # the loss weights are the model's, declared once (LoopConfig): not a trainer field
+    with pytest.raises(TypeError, match="rho"):
+        RetrofitSFTConfig(output_dir=str(tmp_path), use_cpu=True, rho=1.0)
+
+
+def test_every_setting_is_declared_once():
+    """The recipes' loop flags are made from ``LoopConfig`` (same names, types, defaults, help); the trainer's config
+    shares no name with them, so no copy carries another default and nothing is written back into the model."""
+    import typing
+
+    from retrofit.model.config import LoopConfig
+    from retrofit.training.model_setup import LoopArgs, ModelArgs
+
+    loop = {f.name: f for f in dataclasses.fields(LoopConfig) if f.name not in ("options", "extra")}
+    args = {
+        f.name: f for f in dataclasses.fields(LoopArgs) if f.name not in {g.name for g in dataclasses.fields(ModelArgs)}
+    }
+    assert set(args) == set(loop)
+    hints_loop, hints_args = typing.get_type_hints(LoopConfig), typing.get_type_hints(LoopArgs)
+    for name, f in loop.items():
+        assert args[name].default == f.default and args[name].metadata["help"] == f.metadata["help"], name
+        assert hints_args[name] == hints_loop[name], name
+        assert f.metadata["help"], f"LoopConfig.{name} has no help"
+    trainer_fields = {f.name for f in dataclasses.fields(RetrofitSFTConfig)}
+    assert not (trainer_fields & set(loop)), trainer_fields & set(loop)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,9 +216,9 @@ def test_compute_loss_runs_the_looped_forward_plus_aux(tmp_path):
 
 @pytest.mark.parametrize("method", ["anira-e", "anira-o", "fixed"])
 def test_compute_loss_other_methods(tmp_path, method):
-    tr = make_trainer(tmp_path, method, gamma=0.5)
+    tr = make_trainer(tmp_path, model=make_model(method, gamma=0.5))
     model = tr.model.eval()  # eval: no sampling, so a second forward reproduces the first
-    assert model.loop.gamma == 0.5  # the trainer's override reached the model's config
+    assert model.loop.gamma == 0.5  # the model's own weight (the trainer has none)
     inputs = _one_batch(tr)
     with torch.no_grad():
         loss = tr.compute_loss(model, dict(inputs))
@@ -215,17 +232,17 @@ def test_compute_loss_other_methods(tmp_path, method):
 
 
 def test_loss_weights_live_in_the_model_config(tmp_path):
-    """Without overrides the trainer uses the model's LoopConfig weights; with one, it writes it there."""
-    model = make_model("tah2", alpha_d=0.2)
+    """The trainer uses the model's LoopConfig weights, and writes nothing into the model's config: the saved
+    checkpoint records what the model was built with; a bad weight fails where it is declared."""
+    model = make_model("tah2", alpha_d=0.07, rho=1.0)
+    before = dict(model.config.loop)
     tr = make_trainer(tmp_path, model=model)
-    assert tr.model.loop.alpha_d == 0.2 and tr.model.loop.rho == 0.99
-    tr2 = make_trainer(tmp_path / "b", model=make_model("tah2", alpha_d=0.2), alpha_d=0.07, rho=1.0)
-    assert (tr2.model.loop.alpha_d, tr2.model.loop.rho) == (0.07, 1.0)
-    tr2.save_model(str(tmp_path / "saved"))
+    assert (tr.model.loop.alpha_d, tr.model.loop.rho) == (0.07, 1.0) and dict(tr.model.config.loop) == before
+    tr.save_model(str(tmp_path / "saved"))
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert saved["loop"]["alpha_d"] == 0.07 and saved["loop"]["rho"] == 1.0
     with pytest.raises(ValueError, match="rho"):
-        make_trainer(tmp_path / "c", rho=2.0)
+        make_model("tah2", rho=2.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -306,7 +323,7 @@ def test_decider_gradients_of_a_batch_equal_its_accumulated_halves(tmp_path):
     per-micro-batch normalizer (``decider_loss_scope="local"``) breaks the invariant."""
     from retrofit.testing import spread_decider
 
-    tr = make_trainer(tmp_path, "tah2", rho=1.0, decider_weighting="uniform", dyn_pos_weight=False)
+    tr = make_trainer(tmp_path, model=make_model("tah2", rho=1.0, decider_weighting="uniform", dyn_pos_weight=False))
     model = tr.model.train()
     spread_decider(model, logit_std=2.0, generator=torch.Generator().manual_seed(0))
     ids = torch.randint(4, 104, (4, 12), generator=torch.Generator().manual_seed(5))
