@@ -131,7 +131,8 @@ class FullSequence:
 
     def readout(self, d, h, raw, run, la, separate_lookahead=False):
         raw = raw.view_as(h)
-        has_la = la is not None and bool(la.any())
+        # under fixed_graph every rank runs the same layers, lookahead rows or not (FSDP/ZeRO-3 collectives)
+        has_la = la is not None and (self.model.loop.fixed_graph or bool(la.any()))
         if has_la and not self.coda and not separate_lookahead:
             # without a coda the readout is per token: one pass serves the executed tokens and the
             # lookahead ones (their input detached, and their logits only feed depth_nll, so the
@@ -165,7 +166,9 @@ class FullSequence:
             z_flat = self._readout(h, rows)
             at = la.reshape(-1).index_select(0, rows).nonzero().squeeze(1) if la is not None else None
             src = rows.index_select(0, at) if at is not None else None
-        if at is not None and at.numel():  # rows ``at`` <- the lookahead logits of positions ``src``
+        # rows ``at`` <- the lookahead logits of positions ``src``; under fixed_graph the coda runs even for none, so
+        # every rank runs the same layers (FSDP/ZeRO-3 collectives)
+        if at is not None and (at.numel() or (self.coda and self.model.loop.fixed_graph)):
             with torch.no_grad():
                 z_la = self._readout(torch.where(la[..., None], raw.view_as(h), h), src)
             z_flat = z_flat.index_copy(0, at, z_la.to(z_flat.dtype))
