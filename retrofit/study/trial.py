@@ -112,13 +112,15 @@ def check_arms(cfg: StudyConfig) -> dict[str, dict[str, Any]]:
 
 
 def trial_key(cfg: StudyConfig, trial: Trial) -> str:
-    """What decides a trial's numbers, hashed: its recipe flags, the presets' text, its evaluation, the threads."""
+    """What decides a trial's numbers, hashed: its recipe flags, its preset's settings, its evaluation, the threads."""
+    import yaml
+
     arm = cfg.arm(trial.arm)
     spec = {
         "schema": SCHEMA,
         "kind": arm.kind,
         "argv": trial_argv(arm, trial.lr, trial.seed, Path("OUT"))[2:],
-        "preset": arm.preset.read_text(),
+        "preset": yaml.safe_load(arm.preset.read_text()),  # its settings, not its comments
         "phase": trial.phase,
         "eval": {k: list(v) if isinstance(v, tuple) else v for k, v in _eval_options(cfg, trial.phase).items()},
         "threads": cfg.threads,

@@ -255,10 +255,13 @@ def test_resume_from_the_result_jsons_alone(reference, tmp_path):
 def test_a_changed_config_stops_instead_of_mixing_results(reference, tmp_path):
     from retrofit.model.errors import RetrofitUserError
 
-    out, _, _ = reference
+    out, text, _ = reference
     copy = tmp_path / "out"
     shutil.copytree(out / "trials", copy / "trials")
-    cfg = write_study(tmp_path / "cfg", study=STUDY.replace("heads_lr_scale", "x"))  # the same study file ...
+    cfg = write_study(tmp_path / "cfg")  # the same study file ...
+    (tmp_path / "cfg" / "tiny_preset.yaml").write_text("# a comment changes no setting\n" + PRESET)
+    R.run_study(cfg, copy, progress=False, runner=Counting(fail_at=1))
+    assert (copy / "study.json").read_text() == text
     (tmp_path / "cfg" / "tiny_preset.yaml").write_text(PRESET.replace("heads_lr_scale: 5", "heads_lr_scale: 6"))
     with pytest.raises(RetrofitUserError, match="holds a result of other settings"):
         R.run_study(cfg, copy, progress=False, runner=Counting(fail_at=1))  # ... over a changed preset
