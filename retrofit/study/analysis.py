@@ -156,7 +156,10 @@ def _equal_flops(a: str, f: str, test, seeds) -> dict[str, Any]:
         ra, rf = test[a][s], test[f][s]
         M = rf["model"]["max_depth"]
         fp = _point(rf, f"forced:{M}")
-        pts = [p for p in ra.get("frontier", {}).get("points", []) if p["policy"] == "decider" and fp is not None]
+        if fp is None:
+            per.append({"seed": s, "point": None, "reason": "the fixed arm has no frontier (testing.eval.frontier)"})
+            continue
+        pts = [p for p in (ra.get("frontier") or {}).get("points", []) if p["policy"] == "decider"]
         ok = [p for p in pts if p["flops_per_token"] <= fp["flops_per_token"]]
         if not ok:
             per.append({"seed": s, "point": None, "reason": "no decider point at <= the fixed arm's FLOPs"})
@@ -255,6 +258,13 @@ def _vs_oracle(a: str, test, seeds) -> dict[str, Any]:
     )
 
 
+def _spearman_or_nan(x, y) -> float:
+    try:
+        return S.spearman(x, y)
+    except ValueError:  # fewer than two finite pairs
+        return float("nan")
+
+
 def _row_means(depth_strings: list[str]) -> np.ndarray:
     return np.array([np.mean([int(c) for c in d]) if d else np.nan for d in depth_strings])
 
@@ -266,7 +276,7 @@ def _depth_effects(a: str, sft: str | None, test, seeds) -> list[dict[str, Any]]
     levels = np.array(test[a][seeds[0]]["rows"]["levels"], dtype=float)
     depth = [test[a][s]["tokens"]["depth"] for s in seeds]
     row_d = [_row_means(d) for d in depth]
-    per = [{"seed": s, "spearman": S.spearman(levels, rd)} for s, rd in zip(seeds, row_d)]
+    per = [{"seed": s, "spearman": _spearman_or_nan(levels, rd)} for s, rd in zip(seeds, row_d)]
 
     def by_example(i, rows):
         return S.spearman(levels[rows], row_d[i][rows])
@@ -308,8 +318,11 @@ def _spearman_effect(name, a, b, rows, per, stat, n_seeds, n_rows) -> dict[str, 
             return float("nan")
 
     across = S.seed_row_bootstrap_stat(safe, n_seeds, n_rows, n_boot=N_BOOT_SPEARMAN, seed=0)
+    if not np.isfinite(across["estimate"]):  # undefined in some seed (every depth alike): no interval either
+        across["ci"] = [float("nan"), float("nan")]
+        across["note"] = "undefined in a seed whose depths (or losses) are all equal"
     across["per_seed"] = [p["spearman"] for p in per]
-    across["signs"] = [int(np.sign(v)) if v == v else 0 for v in across["per_seed"]]
+    across["signs"] = [int(np.sign(v)) if v is not None and v == v else None for v in across["per_seed"]]
     return {"effect": name, "a": a, "b": b, "rows": rows, "per_seed": per, "across_seeds": across}
 
 

@@ -36,7 +36,7 @@ def _mean_depth(per_seed) -> str:
 
 
 def _signs(v) -> str:
-    return " ".join({1: "+", 0: "0", -1: "−"}[s] for s in v)
+    return " ".join({1: "+", 0: "0", -1: "−", None: "?"}[s] for s in v)
 
 
 def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:

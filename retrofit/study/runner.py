@@ -80,15 +80,20 @@ class Study:
                 self.runner(self.cfg, t, self.folder(t), progress=self.progress)
                 bar.update(1)
         elif todo:
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+            pool = ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+            try:
                 running = {pool.submit(_worker, str(self.cfg.path), t, str(self.folder(t))): t for t in todo}
                 while running:
                     done, _ = wait(running, return_when=FIRST_COMPLETED)
                     for f in done:
                         t = running.pop(f)
-                        f.result()  # a failed trial stops the study (the others finish or are cancelled)
+                        f.result()  # a failed trial stops the study: the queued ones are cancelled
                         bar.set_postfix_str(t.id)
                         bar.update(1)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            pool.shutdown()
         out = {}
         for t in trials:
             r = self.result(t)

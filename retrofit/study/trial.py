@@ -3,7 +3,8 @@ engine, one small result JSON (docs/study.md).
 
 A trial is ``(phase, arm, learning rate, seed)``. It parses the arm's recipe flags with the recipes' own parser
 (``retrofit.recipe.parse_recipe_args``: the preset, the study's and the arm's ``set``, the budget, then the
-trial's ``--learning_rate`` / ``--seed`` / ``--output_dir``), builds the model as ``run_recipe`` does, trains it
+trial's ``--learning_rate`` / ``--seed`` / ``--output_dir``), retrofits a copy of the base model (loaded once per
+process) with the arm's ``LoopConfig`` after ``set_seed``, trains it
 with ``train_and_save`` (a looped arm) or ``train_control`` (``sft``, ``fixed``) — the recipes' trainer, no loop
 of its own — and evaluates it once with ``evaluate_task_arrays`` on the validation rows (tuning) or the test
 rows (testing): the same code for both. ``result.json`` is written atomically, last; a folder without it is a
@@ -140,6 +141,27 @@ def _digits(x) -> str:
     return "".join(str(int(v)) for v in np.asarray(x).reshape(-1))
 
 
+_BASE: dict = {}
+
+
+def base_model(spec: str, dtype):
+    """A deep copy of the base model (and its tokenizer), loaded once per process: loading SmolLM2 from its GGUF
+    file takes ~15 s, more than a tiny trial. The load happens before the trial's ``set_seed``, so a cached and a
+    fresh load give the same trial."""
+    from ..hub.loading import load_model
+    from ..model.errors import RetrofitUserError
+    from ..model.modeling import LoopedForCausalLM
+
+    key = (spec, str(dtype))
+    if key not in _BASE:
+        _BASE.clear()  # one base at a time
+        _BASE[key] = load_model(spec, dtype=dtype)
+    base, tok = _BASE[key]
+    if isinstance(base, LoopedForCausalLM):
+        raise RetrofitUserError(f"--model {spec} is a looped checkpoint; a study's arms start from a base model")
+    return copy.deepcopy(base), copy.deepcopy(tok)
+
+
 def run_trial(cfg: StudyConfig, trial: Trial, folder: Path, progress: bool = True) -> dict[str, Any]:
     """Train and evaluate one trial in ``folder`` and write ``folder/result.json`` (module docstring)."""
     import torch
@@ -148,12 +170,12 @@ def run_trial(cfg: StudyConfig, trial: Trial, folder: Path, progress: bool = Tru
     from ..evaluation.options import EvalOptions
     from ..evaluation.task_eval import evaluate_task_arrays
     from ..hub.atomic_io import write_json_atomic
-    from ..model.convert import base_model_of
+    from ..model.convert import base_model_of, convert
     from ..recipe.controls import train_control
     from ..recipe.data import load_data, task_splits, use_chat
     from ..recipe.main_job import test_rows
     from ..recipe.run import train_and_save
-    from ..training.model_setup import build_looped_model, prepare_model
+    from ..training.model_setup import prepare_model
 
     arm = cfg.arm(trial.arm)
     if folder.exists():
@@ -163,8 +185,9 @@ def run_trial(cfg: StudyConfig, trial: Trial, folder: Path, progress: bool = Tru
     torch.use_deterministic_algorithms(True, warn_only=True)
     script, targs, largs = parse_trial_args(arm, trial.lr, trial.seed, folder, quiet=not progress)
     t0 = time.time()
-    set_seed(targs.seed)  # as run_recipe: the heads' init draws from the seeded global generator
-    model, tok = build_looped_model(largs.model, largs.loop_config(), dtype=getattr(torch, largs.dtype))
+    base, tok = base_model(largs.model, getattr(torch, largs.dtype))
+    set_seed(targs.seed)  # the heads' init draws from the seeded global generator, after the (cached) load
+    model = convert(base, largs.loop_config())
     splits = task_splits(script)
     train, _, data_report = load_data(script, tok, splits)
     if arm.kind == "looped":
