@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 #: The frontier's size in the main job (``EvalOptions``): its passes run on the first
 #: ``FRONTIER_ROWS_PER_LEVEL`` test rows of each level. Cost (TaH2, own τ = 0.5 inside the sweep):
 #: 4 threshold passes + 5 × ``FRONTIER_RANDOM_DRAWS`` random passes (fewer where a threshold sends every answer
-#: step to depth 1) + 1 gain pass, each ~0.12 s per row on 2 CPU cores (one adaptive pass over 400 rows ~50 s).
+#: step to depth 1) + 6 oracle and ceiling passes + 1 gain pass, each ~0.12 s per row on 2 CPU cores (one adaptive
+#: pass over 400 rows ~50 s).
 FRONTIER_ROWS_PER_LEVEL = 25
 FRONTIER_THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
 #: ... placed by compute (evaluation/calibrate.py): the thresholds at which these shares of the decider's first
