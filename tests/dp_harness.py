@@ -180,7 +180,11 @@ def _trainer_class():
             metrics = {k: float(v) for k, v in (outputs.aux_metrics or {}).items()}
             if "continue_label_rate" in metrics:
                 metrics["positives"] = metrics["continue_label_rate"] * metrics["decisions"]
+            per_item = num_items_in_batch is not None and self._looped.halting.aux_loss_per_item(
+                self._looped.loop.loss_config
+            )
             mine = {
+                "aux_per_item": bool(per_item),
                 "rows": [ids[m].tolist() for ids, m in zip(inputs["input_ids"], mask)],
                 "ntp": float(ntp.detach()),
                 "aux": None if aux is None else float(aux.detach()),
@@ -277,8 +281,10 @@ def global_steps(record: dict) -> dict[int, dict]:
 
     - ``rows``: every rank's rows, in rank order (rank 0 holds the first half of the global batch);
     - ``ntp``: the next-token loss (each rank's part is its sum over the global ``num_items_in_batch``: summed);
-    - ``aux``: the auxiliary loss the step optimizes: the mean over ranks of each rank's own (data parallelism
-      averages the gradients; the trainer does not rescale it), ``None`` without one;
+    - ``aux``: the auxiliary loss the step optimizes: summed over ranks when each rank's is its sum over the global
+      ``num_items_in_batch`` (``aux_loss_per_item``: TaH2's release normalizer; the trainer scales it like the
+      next-token loss), else the mean over ranks of each rank's own mean (data parallelism averages the gradients);
+      ``None`` without one;
     - ``kappa``: every rank's cutoff κ (a list; one process: one entry);
     - ``decisions``, ``positives``: TaH2's decisions made and "continue" labels, summed over ranks.
     """
@@ -288,7 +294,9 @@ def global_steps(record: dict) -> dict[int, dict]:
         step = {
             "rows": [row for x in ranks for row in x["rows"]],
             "ntp": sum(x["ntp"] for x in ranks),
-            "aux": None if ranks[0]["aux"] is None else sum(x["aux"] for x in ranks) / len(ranks),
+            "aux": None
+            if ranks[0]["aux"] is None
+            else sum(x["aux"] for x in ranks) / (1 if ranks[0].get("aux_per_item") else len(ranks)),
         }
         metrics = [x["metrics"] for x in ranks]
         if "kappa" in metrics[0]:

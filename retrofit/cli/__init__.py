@@ -31,6 +31,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "OpenAI-compatible server with continuous depth-wise batching (FastAPI + uvicorn)",
     ),
     "params": ("retrofit.cli.params", "report the heads' parameter share at real model shapes (meta device)"),
+    "study": (
+        "retrofit.cli.study",
+        "tuned, equal-budget, multi-seed study of looped arms vs their controls (resumable; docs/study.md)",
+    ),
 }
 
 
@@ -41,6 +45,7 @@ OUTPUT_PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "export": (("out",), ("ckpt", "tokenizer")),
     "eval": (("out",), ("model", "compare")),
     "generate": (("html",), ("model",)),
+    "study": (("out",), ("config",)),
 }
 
 

@@ -52,7 +52,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .metrics import expected_depth, regression_with_control, spearman
+from .metrics import expected_depth, regression_with_control
+from .stats import spearman
 
 __all__ = [
     "ALIGNMENTS",

@@ -169,6 +169,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--frontier-draws", type=int, default=_default("frontier_random_draws"), help=_help("frontier_random_draws")
     )
     parser.add_argument(
+        "--no-frontier-oracle",
+        action="store_true",
+        help="Skip the oracle at equal compute and the accuracy ceiling (EvalOptions.frontier_oracle: "
+        + _help("frontier_oracle")
+        + ")",
+    )
+    parser.add_argument(
         "--frontier-rows-per-level",
         type=int,
         default=_default("frontier_rows_per_level"),
@@ -269,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
             frontier=args.frontier,
             frontier_thresholds=args.frontier_thresholds,
             frontier_random_draws=args.frontier_draws,
+            frontier_oracle=not args.no_frontier_oracle,
             frontier_rows_per_level=args.frontier_rows_per_level,
         )
         results = evaluate(

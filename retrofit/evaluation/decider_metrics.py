@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..model.depth_cost import _to_numpy
-from .metrics import spearman
+from .stats import spearman
 
 
 def decider_decisions(exit_depth: Any, depth_nll: Any, continue_prob: Any) -> dict[str, np.ndarray]:

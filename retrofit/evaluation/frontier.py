@@ -33,10 +33,15 @@ depth and at the lookahead depth ``d* + 1``; every decision the decider made the
 ``ℓ^(d) − ℓ^(d+1)`` and its continue probability (:func:`~.decider_metrics.decider_decisions`,
 :func:`~.decider_metrics.gain_by_decile`). The stop step is left out: it has no single gold token to score.
 
+**The oracle at equal compute and the accuracy ceiling** (``frontier_oracle``, :mod:`~.oracle`): at every
+decider point, the same number of continues spent on the answer steps with the largest realized gains (from the
+forced-depth pass), and every answer step run to its first right depth; decider vs oracle paired on the rows.
+
 **Cost.** With ``R`` frontier rows (``frontier_rows_per_level`` per level), ``t`` thresholds (the model's
 own, reused from the adaptive pass, plus the sweep) and ``k`` draws, a decider model runs about
-``(t − 1) + t·k + 1`` teacher-forced passes over ``R`` rows (fewer where ``q`` is 0 or 1); forced depths come
-from the depth-``D`` forward the forced-depth curve already ran, and plain models add nothing.
+``(t − 1) + t·k + 1`` teacher-forced passes over ``R`` rows (fewer where ``q`` is 0 or 1), plus ``t + 1`` for the
+oracle and the ceiling; forced depths come from the depth-``D`` forward the forced-depth curve already ran, and
+plain models add nothing.
 """
 
 from __future__ import annotations
@@ -92,8 +97,8 @@ class FrontierArrays:
 
     Attributes:
         rows: ``[n]`` indices of the frontier rows in the task's row order.
-        correct: point key (``"decider:own"``, ``"decider:0.3"``, ``"random:own"``, ``"forced:2"``,
-            ``"plain"``) -> ``[n]`` bool (random: ``[k, n]``, one row per draw).
+        correct: point key (``"decider:own"``, ``"decider:0.3"``, ``"random:own"``, ``"oracle:own"``,
+            ``"ceiling"``, ``"forced:2"``, ``"plain"``) -> ``[n]`` bool (random: ``[k, n]``, one row per draw).
         points: the JSON points (``model_frontier``), in the same order as their keys were added.
     """
 
@@ -169,6 +174,7 @@ def model_frontier(
     name: str,
     own: list[dict[str, Any]],
     forced: dict[int, list[dict[str, Any]]] | None,
+    stop_token_ids: Sequence[int] = (),
 ) -> tuple[dict[str, Any], FrontierArrays]:
     """One model's frontier points on the frontier rows (module docstring).
 
@@ -178,12 +184,13 @@ def model_frontier(
         tag: progress-bar prefix.
         name: the model's name in the points.
         own: the adaptive (or plain) pass already run on every row: per row ``{"row_correct", "step_depths"}``.
-        forced: ``{d: per row argmax_pass dict}`` of every forced depth on every row, if already run.
+        forced: ``{d: per row forced_depths_argmax dict}`` of every forced depth on every row, if already run.
+        stop_token_ids: the stop step's tokens the oracle's gains score (``decoding.stop_ids``).
 
     Returns:
         ``(entry, arrays)``: the task entry's ``frontier`` section (``rows``, ``points``, ``passes``,
-        ``wall_s``; with a decider also ``threshold_kind``, ``decider_vs_random``, ``gain_by_decile``,
-        ``break_even_mean_depth``) and the per-row outcomes.
+        ``wall_s``; with a decider also ``threshold_kind``, ``decider_vs_random``, ``decider_vs_oracle``,
+        ``ceiling``, ``gain_by_decile``, ``break_even_mean_depth``) and the per-row outcomes.
     """
     t0 = time.time()
     rows = frontier_rows(examples, opts.frontier_rows_per_level)
@@ -222,7 +229,9 @@ def model_frontier(
     # --- forced depths 1 … D (from the depth-D forward the forced-depth curve already ran) ----------------
     if forced is None:
         if D > 1:
-            sub = forced_depths_argmax(model, info, exs, pad, opts, is_stop, max_new_tokens, f"{tag} frontier depths")
+            sub = forced_depths_argmax(
+                model, info, exs, pad, opts, is_stop, max_new_tokens, f"{tag} frontier depths", stop_token_ids
+            )
             passes += 1
         else:
             sub = {1: [own[i] for i in rows]}
@@ -332,6 +341,15 @@ def model_frontier(
             **test,
         }
 
+    vs_oracle = ceiling = None
+    if opts.frontier_oracle and D > 1:  # --- the oracle at equal compute and the accuracy ceiling (oracle.py) ---
+        from .oracle import oracle_frontier
+
+        rnd = {k: float(arr.correct[f"random:{k}"].mean()) for k in keys if f"random:{k}" in arr.correct}
+        args = (model, info, exs, pad, opts, is_stop, max_new_tokens, tag, {k: runs[k] for k in keys}, sub, rnd, add)
+        vs_oracle, ceiling, n = oracle_frontier(*args)
+        passes += n
+
     # --- TaH2's check of the decider: realized gain per decile of the continue probability ----------------
     gains = decision_gains(model, info, exs, pad, opts, f"{tag} frontier gains")
     passes += 1
@@ -341,6 +359,8 @@ def model_frontier(
         own_threshold=own_tau,
         points=arr.points,
         decider_vs_random=vs_random,
+        decider_vs_oracle=vs_oracle,
+        ceiling=ceiling,
         gain_by_decile=gain_by_decile(gains["gain"], gains["continue_prob"]),
         break_even_mean_depth=break_even_mean_depth(model),
         passes=passes,

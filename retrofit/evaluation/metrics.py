@@ -13,7 +13,7 @@ Conventions:
       (e.g. an answer token that is not padding). ``None`` means every entry is valid.
 
 Functions:
-    spearman                Rank correlation of per-token depth with a difficulty proxy.
+    spearman                Rank correlation (defined in :mod:`retrofit.evaluation.stats`, re-exported).
     linear_regression       OLS of per-token depth on features.
     regression_with_control OLS with categorical fixed effects (BREVO: node count N controlled).
     loss_change_stats       First-vs-last-depth per-token loss change (TaH2 §3 statistic).
@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..model.depth_cost import _to_numpy, _valid_mask, cost_exec, flops_ratio
+from .stats import spearman  # noqa: F401  (one Spearman, in stats; imported from here too)
 
 __all__ = [
     "LOSS_CHANGE_BIN_EDGES",
@@ -59,16 +60,6 @@ LOSS_CHANGE_BIN_EDGES: np.ndarray = np.round(np.linspace(-4.05, 4.05, 82), 10)
 # ----------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def _rank_average(a: np.ndarray) -> np.ndarray:
-    """1-based ranks of a 1-D array, ties receiving the average of the ranks they span."""
-    _, inverse, counts = np.unique(a, return_inverse=True, return_counts=True)
-    # Sorted distinct values occupy rank blocks [cum - count + 1, cum]; the block mean is
-    # cum - (count - 1) / 2.
-    cum = np.cumsum(counts)
-    avg = cum - (counts - 1) / 2.0
-    return avg[inverse.reshape(-1)].astype(np.float64)
 
 
 def _r2(y: np.ndarray, y_hat: np.ndarray) -> float:
@@ -109,49 +100,6 @@ def _ols(design: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, int
 # ----------------------------------------------------------------------------------------------
 # correlation and regression (ANIRA §5: LANO Spearman, BREVO regression)
 # ----------------------------------------------------------------------------------------------
-
-
-def spearman(x: Any, y: Any, nan_policy: str = "omit") -> float:
-    """Spearman rank correlation with average ranks for ties.
-
-    The Pearson correlation of the average ranks of ``x`` and ``y`` (same definition as
-    ``scipy.stats.spearmanr``). Used for per-token expected depth vs a difficulty proxy
-    (ANIRA LANO: parse-space expansion, convergence, …).
-
-    Args:
-        x: values, any shape ``[...]``; flattened.
-        y: values with the same number of elements as ``x``; flattened.
-        nan_policy: ``"omit"`` (default) drops every pair in which either side is NaN or
-            infinite; ``"raise"`` raises ``ValueError`` if any such pair exists.
-
-    Returns:
-        rho in [-1, 1] as a float, or ``nan`` when either side is constant over the retained
-        pairs (the correlation is undefined then).
-
-    Raises:
-        ValueError: if the sizes differ, fewer than 2 (finite) pairs remain, or
-            ``nan_policy="raise"`` and a non-finite value is present.
-    """
-    if nan_policy not in ("omit", "raise"):
-        raise ValueError(f"nan_policy must be 'omit' or 'raise', got {nan_policy!r}")
-    xa = _to_numpy(x, np.float64).reshape(-1)
-    ya = _to_numpy(y, np.float64).reshape(-1)
-    if xa.shape != ya.shape:
-        raise ValueError(f"spearman: x has {xa.size} values but y has {ya.size}")
-    finite = np.isfinite(xa) & np.isfinite(ya)
-    if not finite.all():
-        if nan_policy == "raise":
-            raise ValueError(f"spearman: {int((~finite).sum())} non-finite pair(s) in the input")
-        xa, ya = xa[finite], ya[finite]
-    if xa.size < 2:
-        raise ValueError(f"spearman needs at least 2 finite pairs, got {xa.size}")
-    rx, ry = _rank_average(xa), _rank_average(ya)
-    rx -= rx.mean()
-    ry -= ry.mean()
-    denom = math.sqrt(float(np.dot(rx, rx)) * float(np.dot(ry, ry)))
-    if denom == 0.0:
-        return float("nan")
-    return float(np.clip(np.dot(rx, ry) / denom, -1.0, 1.0))
 
 
 def linear_regression(X: Any, y: Any, feature_names: Sequence[str]) -> dict[str, Any]:

@@ -122,6 +122,14 @@ class EvalOptions:
     frontier_random_draws: int = _help(
         "Seeded draws of random allocation at each threshold's d̄ (seeds 0..n-1; 0 = no random allocation).", 3
     )
+    frontier_oracle: bool = _help(
+        "With the frontier, a looped model with a decider also gets the oracle at equal compute at every decider "
+        "point (the same number of continues spent on the answer steps whose next iteration lowers the gold "
+        "token's loss most, from the forced-depth pass) and the accuracy ceiling (every answer step run to its "
+        "first right depth), with decider vs oracle paired on the rows (retrofit/evaluation/oracle.py). Costs one "
+        "pass per decider point plus one.",
+        True,
+    )
     frontier_rows_per_level: int | None = _help(
         "Rows per level the frontier passes run on (the first ones of each level; None = every row). The "
         "frontier's passes dominate its cost: cap them here; the rest of the evaluation keeps every row.",

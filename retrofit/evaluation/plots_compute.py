@@ -108,7 +108,8 @@ def plot_accuracy_vs_flops(
 
     Per model (one colour each): the decider's threshold sweep as a connected line (its own threshold
     starred), random allocation at each threshold's d̄ as open diamonds with the spread of its draws
-    (min–max accuracy and FLOPs over the draws) and a dotted link to the decider point it is matched to,
+    (min–max accuracy and FLOPs over the draws) and a dotted link to the decider point it is matched to, the
+    oracle at each decider point's d̄ as filled triangles (linked the same way), the accuracy ceiling as an X,
     forced depths as a dashed line of squares (the ``fixed`` control's are its only points), a plain
     model as one large marker. Vertical bars on decider and plain points are their Wilson intervals.
 
@@ -184,6 +185,21 @@ def plot_accuracy_vs_flops(
                 match = next((d for d in dec if d.get("threshold") == p.get("threshold")), None)
                 if match is not None:
                     ax.plot([x(match), x(p)], [match["accuracy"], p["accuracy"]], ":", color=color, linewidth=0.8)
+            orc = [p for p in mine if p["policy"] == "oracle"]
+            for n, p in enumerate(orc):
+                ax.scatter(
+                    [x(p)],
+                    [p["accuracy"]],
+                    marker="^",
+                    s=36,
+                    color=color,
+                    label=f"{m}: oracle at the same d̄" if n == 0 else None,
+                )
+                match = next((d for d in dec if d.get("threshold") == p.get("threshold")), None)
+                if match is not None:
+                    ax.plot([x(match), x(p)], [match["accuracy"], p["accuracy"]], ":", color=color, linewidth=0.8)
+            for p in (p for p in mine if p["policy"] == "ceiling"):
+                ax.scatter([x(p)], [p["accuracy"]], marker="X", s=60, color=color, label=f"{m}: accuracy ceiling")
             forced = sorted((p for p in mine if p["policy"] == "forced"), key=x)
             if forced:
                 ax.plot(

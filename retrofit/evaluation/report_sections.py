@@ -248,7 +248,8 @@ def _token_difficulty_section(task: str, models: dict[str, Mapping[str, Any]]) -
 
 
 def _frontier_section(task: str, results: Mapping[str, Any]) -> list[str]:
-    """The accuracy–compute frontier: every point, decider vs random, gain per decile, break-even, fixed control."""
+    """The accuracy–compute frontier: every point, decider vs random and vs the oracle, the ceiling, gain per decile,
+    break-even, fixed control."""
     fr = _get(_get(results, "frontier"), task)
     if not isinstance(fr, Mapping) or not fr.get("points"):
         return []
@@ -314,6 +315,53 @@ def _frontier_section(task: str, results: Mapping[str, Any]) -> list[str]:
                 ],
                 rows,
             )
+        vo = f.get("decider_vs_oracle") if f else None
+        if vo:
+            rows = []
+            for key, t in vo.items():
+                cmp = t.get("decider_vs_oracle") or {}
+                diff = _num(cmp.get("difference"))
+                rows.append(
+                    [
+                        str(key),
+                        _int(t.get("n_continues")),
+                        _fmt(t.get("decider_mean_depth")),
+                        _pct(t.get("accuracy_decider")),
+                        _pct(t.get("accuracy_random")),
+                        _pct(t.get("accuracy_oracle")),
+                        _fmt(t.get("gap_closed")),
+                        "–" if diff is None else f"{100 * diff:+.1f}",
+                        _pval(cmp.get("mcnemar_p")),
+                    ]
+                )
+            out += [
+                f"**{name}: the oracle at equal compute** (the same continues on the answer steps whose next "
+                "iteration lowers the gold token's loss most; gap closed = (decider − random) / (oracle − random))",
+                "",
+            ]
+            out += _table(
+                [
+                    "threshold",
+                    "continues",
+                    "d̄",
+                    "acc decider",
+                    "acc random",
+                    "acc oracle",
+                    "gap closed",
+                    "decider − oracle",
+                    "McNemar p",
+                ],
+                rows,
+            )
+        ce = f.get("ceiling") if f else None
+        if ce:
+            out += [
+                f"**{name}: accuracy ceiling** (each answer step at its first right depth, "
+                f"d̄ {_fmt(ce.get('mean_depth'))}): "
+                f"{_pct(ce.get('accuracy'))} measured; bounds in the forced frame {_pct(ce.get('exact_match_bound'))} "
+                f"exact match, {_pct(ce.get('token_accuracy_bound'))} of answer tokens.",
+                "",
+            ]
         g = f.get("gain_by_decile") if f else None
         if g and g.get("bins"):
             rows = [

@@ -15,7 +15,8 @@ The package, by idea: :mod:`.options` (``EvalOptions``), :mod:`.models` (model f
 FLOPs per token), :mod:`.rows` (rows and tokenization), :mod:`.decoding` (greedy generation),
 :mod:`.teacher_forced` (teacher-forced passes, greedy exact match from one forward),
 :mod:`.policies` (exit policies at equal compute), :mod:`.frontier` (the accuracy–compute frontier:
-threshold sweep, random allocation at the same d̄, gain per decile, break-even d̄), :mod:`.structure`
+threshold sweep, random allocation at the same d̄, gain per decile, break-even d̄), :mod:`.oracle` (the oracle at
+equal compute and the accuracy ceiling), :mod:`.structure`
 (LANO/BREVO on the model's own strings), :mod:`.task_eval` (one model, one task), this module (several models, paired
 comparisons), :mod:`.artifacts` (files), :mod:`.cli` (``retrofit eval``); pure functions in
 :mod:`.analysis`, :mod:`.metrics`, :mod:`.stats` (intervals, paired tests, rows needed) and

@@ -1,8 +1,9 @@
-"""Statistics for accuracy comparisons: Wilson intervals, paired tests, rows needed.
+"""Statistics for accuracy comparisons: Wilson intervals, paired tests, rank correlation, bootstraps over seeds.
 
 Pure functions (Python + NumPy). Two models evaluated on the *same* rows are compared pairwise:
 each row gives a pair of outcomes (right/wrong, right/wrong), and only the rows where the models
-disagree carry information about which is better.
+disagree carry information about which is better. Every test of the project lives here once: the
+evaluation engine, the main job and ``retrofit study`` (docs/study.md) all call these.
 
 Functions:
     wilson_interval     Score interval of a binomial proportion (Wilson 1927).
@@ -11,17 +12,23 @@ Functions:
     paired_comparison   Both tests plus the 2x2 counts, for JSON.
     sign_flip_exact     Exact sign-flip (randomization) test of paired integer scores.
     paired_vs_draws     One model's outcome vs the mean of several random draws per row (decider vs random).
-    rows_needed         Rows per level to detect a given accuracy difference (assumptions stated there).
-    mcnemar_power       Exact power of the exact McNemar test (enumeration), to check ``rows_needed``.
+    spearman            Spearman rank correlation (average ranks for ties).
+    seed_row_bootstrap  Mean over seeds of a per-row difference, bootstrapped over seeds and rows (crossed).
+    seed_row_bootstrap_stat  The same resampling for any statistic of (seed, rows) (e.g. a Spearman).
+    rows_needed, mcnemar_power  Planning (:mod:`retrofit.evaluation.power`, re-exported).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from statistics import NormalDist
 from typing import Any
 
 import numpy as np
+
+from ..model.depth_cost import _to_numpy
+from .power import mcnemar_power, rows_needed
 
 __all__ = [
     "mcnemar_exact",
@@ -30,7 +37,10 @@ __all__ = [
     "paired_comparison",
     "paired_vs_draws",
     "rows_needed",
+    "seed_row_bootstrap",
+    "seed_row_bootstrap_stat",
     "sign_flip_exact",
+    "spearman",
     "wilson_interval",
 ]
 
@@ -277,82 +287,149 @@ def paired_vs_draws(
     }
 
 
-def _discordance(delta: float, base_accuracy: float, discordant: float | None) -> float:
-    if discordant is not None:
-        return float(discordant)
-    p1, p2 = base_accuracy - delta / 2, base_accuracy + delta / 2
-    if not (0.0 <= p1 and p2 <= 1.0):
-        raise ValueError(f"base_accuracy ± delta/2 must lie in [0, 1], got {p1:.3f}..{p2:.3f}")
-    # independent errors: a row is discordant when exactly one model is right
-    return p1 * (1 - p2) + p2 * (1 - p1)
+def _rank_average(a: np.ndarray) -> np.ndarray:
+    """1-based ranks of a 1-D array, ties receiving the average of the ranks they span."""
+    _, inverse, counts = np.unique(a, return_inverse=True, return_counts=True)
+    # Sorted distinct values occupy rank blocks [cum - count + 1, cum]; the block mean is
+    # cum - (count - 1) / 2.
+    cum = np.cumsum(counts)
+    avg = cum - (counts - 1) / 2.0
+    return avg[inverse.reshape(-1)].astype(np.float64)
 
 
-def rows_needed(
-    delta: float = 0.10,
-    base_accuracy: float = 0.5,
-    discordant: float | None = None,
-    alpha: float = 0.05,
-    power: float = 0.8,
-) -> int:
-    """Rows per level for the paired (McNemar) test to detect an accuracy difference ``delta``.
+def spearman(x: Any, y: Any, nan_policy: str = "omit") -> float:
+    """Spearman rank correlation with average ranks for ties.
 
-    Assumptions: a two-sided test at level ``alpha`` with the given ``power``, and Connor's (1987)
-    normal approximation for McNemar's test,
-    ``n = ((z_{1−α/2}·√ψ + z_{power}·√(ψ − δ²)) / δ)²``, where ψ is the share of rows on which
-    the two models disagree. ψ is unknown before the run; by default it is taken for
-    *independent* errors at accuracies ``base_accuracy ∓ δ/2``: ``ψ = p1(1−p2) + p2(1−p1)``. At
-    50% accuracy that is the worst case (ψ ≈ 0.5, about 390 rows for δ = 0.10); two fine-tunes
-    of the same base usually err on the same rows (smaller ψ), which needs fewer rows (ψ = 0.2:
-    about 155). Pass the observed ψ (``a_only + b_only`` over n) as ``discordant`` to plan a
-    rerun. The exact McNemar test is slightly conservative: :func:`mcnemar_power` gives its exact
-    power at the returned n (0.78 at n = 395 for the default, 0.76 at ψ = 0.2).
+    The Pearson correlation of the average ranks of ``x`` and ``y`` (same definition as
+    ``scipy.stats.spearmanr``). Used for per-token depth vs a difficulty proxy (ANIRA's LANO
+    Spearman, the SFT control's token loss), per-example d̄ vs level, and the decile table.
+
+    Args:
+        x: values, any shape ``[...]``; flattened.
+        y: values with the same number of elements as ``x``; flattened.
+        nan_policy: ``"omit"`` (default) drops every pair in which either side is NaN or
+            infinite; ``"raise"`` raises ``ValueError`` if any such pair exists.
 
     Returns:
-        The smallest integer n given by the formula.
+        rho in [-1, 1] as a float, or ``nan`` when either side is constant over the retained
+        pairs (the correlation is undefined then).
+
+    Raises:
+        ValueError: if the sizes differ, fewer than 2 (finite) pairs remain, or
+            ``nan_policy="raise"`` and a non-finite value is present.
     """
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
-    psi = _discordance(delta, base_accuracy, discordant)
-    if not delta <= psi <= 1.0:
-        raise ValueError(f"the discordant share must lie in [delta, 1] = [{delta}, 1], got {psi!r}")
-    z_a = NormalDist().inv_cdf(1 - alpha / 2)
-    z_b = NormalDist().inv_cdf(power)
-    n = ((z_a * math.sqrt(psi) + z_b * math.sqrt(max(psi - delta * delta, 0.0))) / delta) ** 2
-    return int(math.ceil(n - 1e-9))
+    if nan_policy not in ("omit", "raise"):
+        raise ValueError(f"nan_policy must be 'omit' or 'raise', got {nan_policy!r}")
+    xa = _to_numpy(x, np.float64).reshape(-1)
+    ya = _to_numpy(y, np.float64).reshape(-1)
+    if xa.shape != ya.shape:
+        raise ValueError(f"spearman: x has {xa.size} values but y has {ya.size}")
+    finite = np.isfinite(xa) & np.isfinite(ya)
+    if not finite.all():
+        if nan_policy == "raise":
+            raise ValueError(f"spearman: {int((~finite).sum())} non-finite pair(s) in the input")
+        xa, ya = xa[finite], ya[finite]
+    if xa.size < 2:
+        raise ValueError(f"spearman needs at least 2 finite pairs, got {xa.size}")
+    rx, ry = _rank_average(xa), _rank_average(ya)
+    rx -= rx.mean()
+    ry -= ry.mean()
+    denom = math.sqrt(float(np.dot(rx, rx)) * float(np.dot(ry, ry)))
+    if denom == 0.0:
+        return float("nan")
+    return float(np.clip(np.dot(rx, ry) / denom, -1.0, 1.0))
 
 
-def mcnemar_power(n: int, delta: float, discordant: float, alpha: float = 0.05) -> float:
-    """Exact power of :func:`mcnemar_exact` at level ``alpha`` with ``n`` rows.
+def _resamples(S: int, n: int, n_boot: int, seed: int):
+    """The crossed resamples of :func:`seed_row_bootstrap`: per resample, ``S`` seed indices and then ``n`` row
+    indices, drawn with replacement in that order from ``numpy.random.default_rng(seed)``."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n_boot):
+        yield rng.integers(0, S, size=S), rng.integers(0, n, size=n)
 
-    Model: each row is discordant with probability ψ = ``discordant``, independently; a
-    discordant row favours A with probability ``(ψ + δ) / (2ψ)``. Enumerates every
-    (discordant count, A-favouring count) and sums the probability of a rejection.
+
+def _check_boot(n_boot: int, confidence: float) -> None:
+    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 1:
+        raise ValueError(f"n_boot must be a positive int, got {n_boot!r}")
+    _z(confidence)
+
+
+def seed_row_bootstrap_stat(
+    stat: Callable[[int, np.ndarray], float],
+    n_seeds: int,
+    n_rows: int,
+    n_boot: int = 2_000,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> dict[str, Any]:
+    """Crossed bootstrap over seeds and rows of ``mean_s stat(s, rows)`` (docs/study.md).
+
+    Every seed of a study is scored on the *same* rows, so seeds and rows are crossed factors: each
+    resample draws ``n_seeds`` seeds with replacement and, independently, ``n_rows`` rows with replacement
+    (one row draw shared by every seed: the rows stay paired across seeds), and computes the mean over the
+    drawn seeds of ``stat(s, drawn rows)``. The interval is the percentile interval; ``estimate`` is the
+    statistic on the original seeds and rows. Resampling both factors lets the interval include the spread
+    from one training run to the next (seeds) and from one test sample to the next (rows); with few seeds the
+    seed part is coarse (3 seeds give 10 distinct multisets).
+
+    Args:
+        stat: ``(seed index, row indices [n]) -> float`` (NaN results are dropped from the interval).
+        n_seeds, n_rows: the sizes of the two factors.
+        n_boot: resamples; ``seed``: the generator's seed; ``confidence``: the interval level.
+
+    Returns:
+        ``{"estimate", "ci": [low, high], "n_seeds", "n_rows", "n_boot", "seed", "resampled": "seeds and rows"}``.
     """
-    if not 0 < delta <= discordant <= 1:
-        raise ValueError(f"need 0 < delta <= discordant <= 1, got delta={delta}, discordant={discordant}")
-    q = (discordant + delta) / (2 * discordant)
+    _check_boot(n_boot, confidence)
+    if n_seeds < 1 or n_rows < 1:
+        raise ValueError(f"need at least one seed and one row, got {n_seeds} seeds and {n_rows} rows")
+    rows = np.arange(n_rows)
+    est = float(np.mean([stat(s, rows) for s in range(n_seeds)]))
+    boot = np.array([np.mean([stat(int(s), r) for s in ss]) for ss, r in _resamples(n_seeds, n_rows, n_boot, seed)])
+    boot = boot[np.isfinite(boot)]
+    alpha = 1.0 - confidence
+    lo, hi = np.quantile(boot, [alpha / 2, 1 - alpha / 2]) if boot.size else (float("nan"), float("nan"))
+    return {
+        "estimate": est,
+        "ci": [float(lo), float(hi)],
+        "n_seeds": int(n_seeds),
+        "n_rows": int(n_rows),
+        "n_boot": n_boot,
+        "seed": seed,
+        "resampled": "seeds and rows",
+    }
 
-    def log_binom(k: int, m: int, p: float) -> float:
-        if p in (0.0, 1.0):
-            return 0.0 if (k == 0 and p == 0.0) or (k == m and p == 1.0) else -math.inf
-        return (
-            math.lgamma(m + 1)
-            - math.lgamma(k + 1)
-            - math.lgamma(m - k + 1)
-            + k * math.log(p)
-            + (m - k) * math.log1p(-p)
-        )
 
-    total = 0.0
-    for m in range(n + 1):
-        p_m = math.exp(log_binom(m, n, discordant))
-        if p_m < 1e-15:
-            continue
-        # rejection region {a <= k} ∪ {a >= m − k}: the largest k with 2·P(Bin(m, ½) <= k) <= alpha
-        k, tail = -1, 0
-        while k + 1 <= m // 2 and 2 * (tail + math.comb(m, k + 1)) / 2**m <= alpha:
-            k += 1
-            tail += math.comb(m, k)
-        for a in list(range(k + 1)) + list(range(m - k, m + 1)) if k >= 0 else []:
-            total += p_m * math.exp(log_binom(a, m, q))
-    return total
+def seed_row_bootstrap(diff: Any, n_boot: int = 10_000, seed: int = 0, confidence: float = 0.95) -> dict[str, Any]:
+    """:func:`seed_row_bootstrap_stat` for the mean of a per-row difference, vectorized.
+
+    Args:
+        diff: ``[S, n]`` per seed and row, e.g. ``a_r − b_r`` of two models' 0/1 outcomes (or ``a_r`` minus the
+            mean of random draws); the same rows in every seed's row.
+
+    Returns:
+        :func:`seed_row_bootstrap_stat`'s dict, ``estimate`` = the mean difference over seeds and rows, plus
+        ``per_seed`` (each seed's mean difference) and ``signs`` (+1 / 0 / −1 per seed).
+    """
+    d = np.asarray(diff, dtype=np.float64)
+    if d.ndim != 2 or d.shape[0] < 1 or d.shape[1] < 1:
+        raise ValueError(f"diff must be [seeds, rows] with at least one of each, got shape {d.shape}")
+    _check_boot(n_boot, confidence)
+    S, n = d.shape
+    boot = np.empty(n_boot)
+    for i, (ss, r) in enumerate(_resamples(S, n, n_boot, seed)):
+        boot[i] = d[np.ix_(ss, r)].mean()
+    alpha = 1.0 - confidence
+    lo, hi = np.quantile(boot, [alpha / 2, 1 - alpha / 2])
+    per_seed = d.mean(axis=1)
+    return {
+        "estimate": float(d.mean()),
+        "ci": [float(lo), float(hi)],
+        "n_seeds": int(S),
+        "n_rows": int(n),
+        "n_boot": n_boot,
+        "seed": seed,
+        "resampled": "seeds and rows",
+        "per_seed": [float(x) for x in per_seed],
+        "signs": [int(np.sign(x)) for x in per_seed],
+    }

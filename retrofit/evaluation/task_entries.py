@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 
 from . import analysis as A
-from .metrics import accuracy_by_level, cost_exec, flops_ratio, spearman
+from .metrics import accuracy_by_level, cost_exec, flops_ratio
 from .models import flops_per_token
 from .options import EvalOptions
 from .policies import cat, mean, seq_acc
 from .rows import split_of
-from .stats import paired_comparison, wilson_interval
+from .stats import paired_comparison, spearman, wilson_interval
 
 __all__ = [
     "ci",

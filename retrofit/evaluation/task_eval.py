@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .decoding import greedy_generate, stop_rule
+from .decoding import greedy_generate, stop_ids, stop_rule
 from .frontier import FrontierArrays, model_frontier
 from .metrics import loss_change_stats
 from .models import flops_per_token, model_info, pad_id
@@ -282,7 +282,17 @@ def _evaluate_task(
             forced_correct: dict[int, np.ndarray] = {}
             # greedy exact match: every forced depth from one depth-D forward (exact); generation: one run per depth
             by_depth = (
-                forced_depths_argmax(model, info, examples, pad, opts, is_stop, max_new, f"{tag} depths 1-{D}")
+                forced_depths_argmax(
+                    model,
+                    info,
+                    examples,
+                    pad,
+                    opts,
+                    is_stop,
+                    max_new,
+                    f"{tag} depths 1-{D}",
+                    stop_ids(model, tokenizer),
+                )
                 if tf_mode and D > 1
                 else None
             )
@@ -359,7 +369,7 @@ def _evaluate_task(
     if opts.frontier:
         # the adaptive pass (tf) and the forced-depth curve (by_depth) are reused, subset to the frontier rows
         result["frontier"], frontier = model_frontier(
-            model, info, examples, pad, opts, is_stop, max_new, tag, name, tf, by_depth
+            model, info, examples, pad, opts, is_stop, max_new, tag, name, tf, by_depth, stop_ids(model, tokenizer)
         )
 
     result["samples"] = html_samples(name, task, tokenizer, examples, gens, correct, steps, D, opts.html_samples)

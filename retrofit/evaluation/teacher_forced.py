@@ -28,7 +28,7 @@ tokens (none does). The depths of the steps that would produce ``gold + stop`` a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ from .models import ModelInfo, batches, device, forward, progress_bar
 from .options import EvalOptions
 from .rows import Example
 
-__all__ = ["argmax_pass", "forced_depths_argmax", "policy_pass", "teacher_forced", "tf_batch"]
+__all__ = ["argmax_pass", "batch_chunks", "forced_depths_argmax", "policy_pass", "teacher_forced", "tf_batch"]
 
 # Upper bound for the [D, B, T, V] per-depth logits of one forced-depth forward.
 _DEPTH_LOGITS_BUDGET = 512 * 2**20
@@ -73,6 +73,12 @@ def tf_batch(examples: Sequence[Example], pad: int, dev):
 
 def _length_order(examples: Sequence[Example]) -> list[int]:
     return sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].answer_ids))
+
+
+def batch_chunks(examples: Sequence[Example], batch_size: int) -> list[list[int]]:
+    """The example indices of each batch, in the order :func:`argmax_pass` runs them (by length): batch ``b`` of
+    its ``policy_for_batch(b, ...)`` hook holds ``examples[i]`` for ``i`` in ``batch_chunks(...)[b]``."""
+    return list(batches(_length_order(examples), batch_size))
 
 
 @torch.no_grad()
@@ -226,7 +232,7 @@ def argmax_pass(
     dev = device(model)
     res: list[dict[str, Any] | None] = [None] * len(examples)
     for b, chunk in enumerate(
-        progress_bar(list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch")
+        progress_bar(batch_chunks(examples, opts.batch_size), opts.progress, desc=desc, unit="batch")
     ):
         exs = [examples[i] for i in chunk]
         ids, mask, starts = tf_batch(exs, pad, dev)
@@ -256,6 +262,7 @@ def forced_depths_argmax(
     is_stop,
     max_new_tokens: int,
     desc: str,
+    stop_ids: Collection[int] = (),
 ) -> dict[int, list[dict[str, Any]]]:
     """:func:`argmax_pass` with every token forced to depth ``d``, for every ``d`` in ``1 … D``, from one
     forward per batch at depth ``D`` that reads out every depth at the kept positions.
@@ -265,11 +272,17 @@ def forced_depths_argmax(
     over every token's depth-``d`` state, so depth ``d`` of the depth-``D`` forward is the depth-``d`` forward
     (``tests/evaluation/test_eval_runner.py`` compares it with separate passes). Saves ``D - 1`` forwards.
 
+    Each row's dict also holds, at its ``m + 1`` answer steps, ``step_correct`` (the gold token is the argmax;
+    at the stop step: the argmax is a stop token) and ``step_nll`` (the gold token's loss; at the stop step
+    ``−log Σ_{s ∈ stop_ids} p(s)``, NaN without ``stop_ids``): the per-depth losses the oracle at equal compute
+    ranks its gains by (:mod:`~retrofit.evaluation.oracle`).
+
     Returns:
-        ``{d: per example argmax_pass's dict}``.
+        ``{d: per example argmax_pass's dict + step_correct [m + 1], step_nll [m + 1]}``.
     """
     dev = device(model)
     D = info.max_depth
+    eos = torch.as_tensor(sorted(stop_ids), dtype=torch.long, device=dev)
     res: dict[int, list] = {d: [None] * len(examples) for d in range(1, D + 1)}
     for chunk in progress_bar(
         list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
@@ -287,8 +300,17 @@ def forced_depths_argmax(
             off = ids.shape[1] - k
             for d in range(1, D + 1):
                 depths = torch.full_like(out.depths, d)
+                lp = out.depth_logits[d - 1].float().log_softmax(-1)  # [b, k, V]
                 for r, (i, e) in enumerate(zip(part, exs)):
-                    res[d][i] = _argmax_row(tops[d - 1, r], off, depths[r], e, starts[r], is_stop, max_new_tokens)
+                    row = _argmax_row(tops[d - 1, r], off, depths[r], e, starts[r], is_stop, max_new_tokens)
+                    m = len(e.answer_ids)
+                    steps = torch.arange(m + 1, device=dev) + starts[r] - 1 - off
+                    gold = torch.as_tensor(e.answer_ids, device=dev, dtype=torch.long)
+                    nll = -lp[r, steps[:m]].gather(-1, gold[:, None])[:, 0]
+                    stop_nll = -lp[r, steps[m], eos].logsumexp(0) if eos.numel() else lp.new_tensor(float("nan"))
+                    row["step_nll"] = torch.cat([nll, stop_nll.reshape(1)]).cpu().numpy()
+                    row["step_correct"] = np.append(row["token_correct"], is_stop(int(tops[d - 1, r, steps[m]])))
+                    res[d][i] = row
     return res
 
 

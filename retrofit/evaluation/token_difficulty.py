@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .metrics import spearman
+from .stats import spearman
 
 __all__ = ["depth_vs_token_difficulty"]
 

@@ -5,14 +5,15 @@ untrained base, side by side on the held-out test rows.
 greedy exact match, Wilson intervals, d̄ and compute per answer token, exact McNemar and a paired bootstrap of
 the looped model against each other model, per-example depth vs level and per-token depth vs the SFT
 control's loss), measures the accuracy–compute frontier (issue 24, ``retrofit.evaluation.frontier``: the
-decider's threshold sweep, random allocation at the same d̄, every forced depth, the controls and the base;
+decider's threshold sweep, random allocation at the same d̄, the oracle at equal compute and the accuracy
+ceiling, every forced depth, the controls and the base;
 the decider's realized gain per decile of its continue probability; the break-even d̄; the fixed-depth
 control comparison), exports the looped checkpoint, and writes ``summary.json``: every figure README's
 results table quotes, plus the claims the main job tests (``targets``) with whether this run met them.
 
 Test rows come from ``data_prep.tasks.build_splits`` with the run's seed: instances never seen in training,
-disjoint from the validation split that settings are chosen on (``--n_valid``; the sweep in
-``scripts/sweep_main_job.py`` reads only validation rows).
+disjoint from the validation split that settings are chosen on (``--n_valid``; ``retrofit study`` tunes on
+validation rows only, docs/study.md).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ logger = logging.getLogger(__name__)
 #: The frontier's size in the main job (``EvalOptions``): its passes run on the first
 #: ``FRONTIER_ROWS_PER_LEVEL`` test rows of each level. Cost (TaH2, own τ = 0.5 inside the sweep):
 #: 4 threshold passes + 5 × ``FRONTIER_RANDOM_DRAWS`` random passes (fewer where a threshold sends every answer
-#: step to depth 1) + 1 gain pass, each ~0.12 s per row on 2 CPU cores (one adaptive pass over 400 rows ~50 s).
+#: step to depth 1) + 6 oracle and ceiling passes + 1 gain pass, each ~0.12 s per row on 2 CPU cores (one adaptive
+#: pass over 400 rows ~50 s).
 FRONTIER_ROWS_PER_LEVEL = 25
 FRONTIER_THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
 #: ... placed by compute (evaluation/calibrate.py): the thresholds at which these shares of the decider's first
@@ -143,6 +145,9 @@ def summarize(results: dict, task: str, train_levels: list[int], models: list[st
     out["frontier_rows"] = fr.get("rows")
     out["frontier"] = fr.get("points")
     out["decider_vs_random"] = lf.get("decider_vs_random")
+    # the oracle at equal compute and the accuracy ceiling (evaluation/oracle.py): the roof over random's floor
+    out["decider_vs_oracle"] = lf.get("decider_vs_oracle")
+    out["accuracy_ceiling"] = lf.get("ceiling")
     out["gain_by_decile"] = lf.get("gain_by_decile")
     out["break_even_mean_depth"] = lf.get("break_even_mean_depth")
     out["fixed_control"] = fr.get("fixed_control")
@@ -402,6 +407,20 @@ def _frontier_lines(summary: dict) -> list[str]:
             f"{100 * t['difference']:+.1f} points [{100 * lo:+.1f}, {100 * hi:+.1f}], "
             f"sign-flip p={t['sign_flip_p']:.3g}, McNemar per draw "
             + ", ".join(f"{d['mcnemar_p']:.3g}" for d in t["per_draw"])
+        )
+    for k, t in (summary.get("decider_vs_oracle") or {}).items():
+        gap, cmp = t.get("gap_closed"), t["decider_vs_oracle"]
+        lines.append(
+            f"  decider vs the oracle at equal compute, threshold {k} ({t['n_continues']} continues): decider "
+            f"{100 * t['accuracy_decider']:.1f}%, random {pct(t.get('accuracy_random'))}%, oracle "
+            f"{100 * t['accuracy_oracle']:.1f}%, gap closed {num(gap, '.2f')}, McNemar p={cmp['mcnemar_p']:.3g}"
+        )
+    ceil = summary.get("accuracy_ceiling")
+    if ceil:
+        lines.append(
+            f"  accuracy ceiling (each answer step at its first right depth, d̄ {num(ceil.get('mean_depth'), '.2f')}): "
+            f"{pct(ceil['accuracy'])}% measured, bounds {pct(ceil['exact_match_bound'])}% exact match, "
+            f"{pct(ceil['token_accuracy_bound'])}% of answer tokens (forced frame)"
         )
     g = summary.get("gain_by_decile")
     if g and g.get("bins"):

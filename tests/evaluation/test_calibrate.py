@@ -111,6 +111,7 @@ def test_frontier_stop_shares_place_the_sweep_by_compute(tok):
         frontier=True,
         frontier_stop_shares=shares,
         frontier_random_draws=0,
+        frontier_oracle=False,  # its passes: tests/evaluation/test_oracle.py
     )
     fr = R.evaluate_task(model, tok, "mano", rows=rows, options=opts)["frontier"]
     c1 = first_decisions(model, prepare(rows, tok, opts), pad_id(tok), batch_size=4)

@@ -192,3 +192,59 @@ def test_depth_vs_token_difficulty_hand_built():
     assert math.isnan(flat["spearman"]) and flat["n_tokens"] == 2
     with pytest.raises(ValueError, match="1..3"):
         depth_vs_token_difficulty([4], [0.1], max_depth=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# the study's bootstrap over seeds and rows (docs/study.md)
+# ----------------------------------------------------------------------------------------------
+
+
+def _seed_row_brute(diff, n_boot, seed, confidence):
+    """One resample at a time, by loops: S seed draws, then n row draws, from one generator; the mean over the
+    drawn seeds of the mean over the drawn rows."""
+    S, n = len(diff), len(diff[0])
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(n_boot):
+        seeds = rng.integers(0, S, size=S)
+        rows = rng.integers(0, n, size=n)
+        boots.append(sum(sum(diff[s][r] for r in rows) / n for s in seeds) / S)
+    a = 1 - confidence
+    return list(np.quantile(boots, [a / 2, 1 - a / 2]))
+
+
+@pytest.mark.parametrize("k,n", [(1, 7), (3, 5), (4, 11)])
+def test_seed_row_bootstrap_matches_loops_and_the_generic_form(k, n):
+    rng = np.random.default_rng(k * 100 + n)
+    diff = rng.integers(-1, 2, size=(k, n)).astype(float)
+    got = S.seed_row_bootstrap(diff, n_boot=300, seed=4, confidence=0.9)
+    assert got["estimate"] == pytest.approx(diff.mean())
+    assert got["ci"] == pytest.approx(_seed_row_brute(diff.tolist(), 300, 4, 0.9), abs=1e-12)
+    assert got["per_seed"] == pytest.approx(diff.mean(1).tolist())
+    assert got["signs"] == [int(np.sign(x)) for x in diff.mean(1)]
+    assert got["n_seeds"] == k and got["n_rows"] == n and got["resampled"] == "seeds and rows"
+    generic = S.seed_row_bootstrap_stat(lambda s, r: float(diff[s, r].mean()), k, n, n_boot=300, seed=4, confidence=0.9)
+    assert generic["ci"] == pytest.approx(got["ci"], abs=1e-12)
+    assert generic["estimate"] == pytest.approx(got["estimate"])
+
+
+def test_seed_row_bootstrap_sees_the_seed_spread():
+    """Rows agree within each seed but the seeds disagree: resampling seeds widens the interval beyond the rows'."""
+    one_sign = np.tile([[1.0] * 6 + [0.0] * 4], (3, 1))  # +0.6 in every seed
+    split = np.array([[1.0] * 10, [0.0] * 10, [-1.0] * 10])  # +1, 0, −1: the mean is 0, the seeds disagree
+    a = S.seed_row_bootstrap(one_sign, n_boot=2000, seed=0)
+    b = S.seed_row_bootstrap(split, n_boot=2000, seed=0)
+    assert a["ci"][0] > 0 and b["estimate"] == 0.0 and b["ci"][0] <= -0.3 and b["ci"][1] >= 0.3
+    assert b["signs"] == [1, 0, -1]
+    with pytest.raises(ValueError, match="seeds, rows"):
+        S.seed_row_bootstrap(np.zeros(4))
+    with pytest.raises(ValueError, match="n_boot"):
+        S.seed_row_bootstrap(split, n_boot=0)
+
+
+def test_one_spearman_lives_in_stats():
+    from retrofit.evaluation import metrics
+
+    assert metrics.spearman is S.spearman
+    x, y = [1, 2, 2, 5, 3], [0.1, 0.4, 0.2, 0.9, 0.5]
+    assert S.spearman(x, y) == pytest.approx(scipy.stats.spearmanr(x, y).statistic)

@@ -260,6 +260,7 @@ def test_frontier_points_equal_separate_passes(tok, forced_depths):
         frontier_thresholds=(0.3, 0.5, 0.8),
         frontier_random_draws=0,
         frontier_rows_per_level=3,
+        frontier_oracle=False,  # the oracle's points: tests/evaluation/test_oracle.py
     )
     res = R.evaluate_task(model, tok, "mano", rows=rows, options=opts)
     fr = res["frontier"]
@@ -405,7 +406,9 @@ def test_cli_frontier_end_to_end(tok, tmp_path, capsys):
     assert ("base", "plain") in keys and ("looped", "decider:0.3") in keys and ("looped", "random:own") in keys
     assert all(len(p["seeds"]) == 2 for p in fr["points"] if p["policy"] == "random")
     assert (out / "accuracy_vs_flops.png").stat().st_size > 0
-    assert "Accuracy–compute frontier" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "Accuracy–compute frontier" in report and "the oracle at equal compute" in report
+    assert "accuracy ceiling" in report and ("looped", "oracle:own") in keys and ("looped", "ceiling") in keys
     with pytest.raises(SystemExit):  # argparse rejects a malformed threshold list
         main(["eval", "--model", str(ckpt), "--frontier-thresholds", "a,b"])
     assert main(["eval", "--model", str(ckpt), "--frontier", "--out", str(tmp_path / "x"), "--quiet"]) == 2
@@ -460,6 +463,8 @@ def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
     assert policies == {
         ("looped", "decider"),
         ("looped", "random"),
+        ("looped", "oracle"),
+        ("looped", "ceiling"),
         ("looped", "forced"),
         ("fixed", "forced"),
         ("sft", "plain"),
@@ -479,6 +484,14 @@ def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
     assert set(on_disk["decider_vs_random"]) == {"own"} | keys
     for t in on_disk["decider_vs_random"].values():
         assert t["draws"] == 3 and len(t["per_draw"]) == 3 and 0.0 <= t["sign_flip_p"] <= 1.0
+    # the oracle at every decider point, on the same rows as random allocation; the ceiling beside it
+    assert set(on_disk["decider_vs_oracle"]) == set(on_disk["decider_vs_random"])
+    for k, t in on_disk["decider_vs_oracle"].items():
+        assert t["oracle_mean_depth"] == pytest.approx(t["decider_mean_depth"])
+        assert t["accuracy_random"] == pytest.approx(on_disk["decider_vs_random"][k]["accuracy_b"])
+        assert t["decider_vs_oracle"]["n"] == 6 and 0.0 <= t["decider_vs_oracle"]["mcnemar_p"] <= 1.0
+    ceil = on_disk["accuracy_ceiling"]
+    assert 0.0 <= ceil["exact_match_bound"] <= 1.0 and 0.0 <= ceil["token_accuracy_bound"] <= 1.0
     assert on_disk["gain_by_decile"]["n_bins"] == 10
     be = on_disk["break_even_mean_depth"]
     assert be["mean_depth"] is None or 1.0 <= be["mean_depth"] <= 2.0
@@ -501,6 +514,8 @@ def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
     for text in (
         "accuracy-compute frontier",
         "decider vs random at the same d̄",
+        "decider vs the oracle at equal compute",
+        "accuracy ceiling",
         "realized gain per decile",
         "break-even",
     ):

@@ -89,11 +89,14 @@ def test_main_job_tiny_budget(tmp_path):
     assert {(p["model"], p["policy"]) for p in summary["frontier"]} == {
         ("looped", "decider"),
         ("looped", "random"),
+        ("looped", "oracle"),
+        ("looped", "ceiling"),
         ("looped", "forced"),
         ("sft", "plain"),
         ("base", "plain"),
     }
     assert "own" in summary["decider_vs_random"] and "bins" in summary["gain_by_decile"]
+    assert set(summary["decider_vs_oracle"]) == set(summary["decider_vs_random"]) and summary["accuracy_ceiling"]
     assert "max_depth" in summary["break_even_mean_depth"] and summary["fixed_control"] is None
     assert "accuracy-compute frontier" in proc.stdout
     assert (out / "report" / "accuracy_vs_flops.png").exists()

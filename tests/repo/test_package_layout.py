@@ -29,6 +29,14 @@ ALLOWED = {
     "retrofit.training": {"retrofit", "retrofit.model", "retrofit.hub"},
     "retrofit.evaluation": {"retrofit", "retrofit.model", "retrofit.hub"},
     "retrofit.recipe": {"retrofit", "retrofit.model", "retrofit.hub", "retrofit.training", "retrofit.evaluation"},
+    "retrofit.study": {
+        "retrofit",
+        "retrofit.model",
+        "retrofit.hub",
+        "retrofit.training",
+        "retrofit.recipe",
+        "retrofit.evaluation",
+    },
     "retrofit.serving": {"retrofit", "retrofit.model", "retrofit.hub"},
     "retrofit.lm_eval": {"retrofit", "retrofit.model", "retrofit.hub", "retrofit.evaluation"},
     "retrofit.vllm_plugin": {"retrofit", "retrofit.model"},
@@ -41,6 +49,7 @@ ALLOWED = {
         "retrofit.evaluation",
         "retrofit.serving",
         "retrofit.lm_eval",
+        "retrofit.study",
     },
     "retrofit.loading": {"retrofit.hub"},
     "retrofit.modeling": {"retrofit.model"},
@@ -57,7 +66,8 @@ FORBIDDEN = {
         "retrofit.serving",
     },
     "retrofit.training": {"retrofit.recipe", "retrofit.cli"},
-    "retrofit.recipe": {"retrofit.cli"},
+    "retrofit.recipe": {"retrofit.cli", "retrofit.study"},
+    "retrofit.study": {"retrofit.cli"},
     "retrofit.hub": {"retrofit.training", "retrofit.recipe", "retrofit.evaluation", "retrofit.cli"},
 }
 

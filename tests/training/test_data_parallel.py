@@ -21,7 +21,8 @@ Tolerances, measured (2 CPU processes vs 1, torch 2.13 CPU, gloo) and set a few 
   1.3e-7);
 - every step's logged loss, next-token loss, auxiliary loss and gradient norm: relative 1e-5 (measured ≤ 1.1e-7 for
   the fixed loop and Ouro);
-- κ: relative 1e-5 against the one-process κ, on every rank; label counts: exact;
+- κ: relative 1e-4 against the one-process κ, on every rank (measured 1.6e-5: the gains are differences of per-token
+  losses, each off by ~1e-7 relative); label counts: exact;
 - the final weights: max |Δ| ≤ 5e-6 over every parameter (measured 8.3e-7 for the fixed loop under each engine,
   ≤ 8.9e-7 for Ouro: float reassociation of the reductions, after AdamW's first steps);
 - resume: measured bitwise equal (losses, records and weights) under every engine; checked with the same
@@ -53,8 +54,12 @@ RESUMED = ("tah2_m3", "ouro")
 
 LOSS_STEP0_RTOL = 1e-6
 STEP_RTOL = 1e-5
-KAPPA_RTOL = 1e-5
+KAPPA_RTOL = 1e-4
 WEIGHTS_ATOL = 5e-6
+#: TaH2's decider weights: AdamW divides each gradient by its own running RMS, so a decider gradient that is tiny
+#: carries its float noise (the ranks' per-token losses differ from one process's in the 7th digit) into the update
+#: at the learning rate's scale (measured 5.7e-6 to 7.2e-6 after 3 steps, against 4.4e-3 before κ was gathered)
+WEIGHTS_ATOL_TAH2 = 2e-5
 
 #: (accelerator type, the trained model's wrapper, an FSDP2 module, LoopConfig.fixed_graph) per engine
 ENGINE_TYPES = {
@@ -214,7 +219,7 @@ def test_every_step_kappa_and_labels(runs, engine, method):
 def test_final_weights(runs, engine, method):
     """The full state dict after 3 steps (gathered under FSDP2 / ZeRO-3) against one process's."""
     d = H.differences(runs.run(engine, method), runs.reference(method))
-    assert d["weights"] <= WEIGHTS_ATOL, d
+    assert d["weights"] <= (WEIGHTS_ATOL_TAH2 if method.startswith("tah2") else WEIGHTS_ATOL), d
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,44 @@
+"""``retrofit study CONFIG``: tune every arm on the validation rows with the same grid, test each at its chosen
+learning rate with several seeds, and report the effects per seed and across seeds (docs/study.md).
+
+::
+
+    retrofit study recipes/studies/main.yaml --out docs/studies/main     # run, or resume after a kill
+    retrofit study recipes/studies/main.yaml --dry-run                   # which trials are done, which would run
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="The study's YAML file (recipes/studies/*.yaml; docs/study.md lists its keys).")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="Study folder: trials/<trial>/result.json, study.json, study.md, study.png, timings.json. Default: the "
+        "config's out, else outputs/studies/<name>. Rerunning with the same folder resumes: finished trials are kept.",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="Trials run at a time, each in its own process with the config's threads (results do not depend on it; "
+        "keep jobs x threads at or below the cores).",
+    )
+    p.add_argument("--dry-run", action="store_true", help="Print which trials are done and which would run; run none.")
+    p.add_argument("--quiet", action="store_true", help="No progress bars.")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..study.runner import plan, run_study
+
+    if args.dry_run:
+        for trial, state in plan(args.config, args.out):
+            print(f"{state:>13}  {trial}")
+        return 0
+    study = run_study(args.config, args.out, jobs=args.jobs, progress=not args.quiet)
+    for key, c in study["claims"].items():
+        print(f"[{'met' if c['met'] else 'NOT met'}] {key}: {c['claim']}")
+    return 0

@@ -1,0 +1,277 @@
+"""A study's YAML file, read into ``StudyConfig`` and checked before anything trains (docs/study.md).
+
+::
+
+    name: main                                  # the study's name (study.json, study.md)
+    preset: ../configs/tah2_llama.yaml          # the recipe preset every arm starts from (relative to this file)
+    set: {n_valid: 60}                          # recipe flags for every arm (the recipes' own flag names)
+    budget: {max_steps: 240, per_device_train_batch_size: 8}   # the training budget: every arm, no override
+    threads: 2                                  # torch threads per trial (the numbers depend on it)
+    keep_models: false                          # delete each trial's weights once its result JSON is written
+    tuning: {seed: 0, learning_rates: [2.5e-4, 5.0e-4, 1.0e-3], eval: {...}}
+    testing: {seeds: [1, 2, 3], eval: {...}}
+    arms:
+      sft: {kind: sft}                          # the base as a plain causal LM (recipe.controls)
+      fixed: {kind: fixed}                      # the looped model at max depth for every token
+      tah2: {kind: looped}                      # the preset's own method
+      anira_e: {kind: looped, preset: ../configs/anira_llama.yaml, enabled: false}
+
+An arm may also carry ``set`` (its own recipe flags), ``learning_rates`` (its own grid, of the common size) and
+``description``. ``eval`` maps ``EvalOptions`` fields; the phases' defaults are ``TUNE_EVAL`` / ``TEST_EVAL``.
+Errors name the key and what is allowed; fewer than 3 learning rates or test seeds only warn (``warnings``, shown
+in study.md): a tiny study is a smoke test, not a result. ``trial.check_arms`` then parses every arm's flags with
+the recipes' parser and checks the arms share the data and the budget (``SHARED``), before anything trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..model.errors import RetrofitUserError
+
+#: what an arm trains (``retrofit.recipe``): the looped arm of its preset, or one of the control arms
+ARM_KINDS = ("sft", "fixed", "looped")
+#: the looped methods an arm may name (``--method``)
+METHODS = ("tah2", "anira-e", "anira-o", "fixed")
+#: recipe flags the study sets itself, per trial
+RESERVED = ("learning_rate", "seed", "output_dir", "control", "report", "resume", "config", "calibrate_stop_share")
+#: the settings every arm must share (the same data and budget: docs/study.md "Equal budget")
+SHARED = (
+    "task",
+    "n_train",
+    "n_eval",
+    "n_valid",
+    "task_seed",
+    "train_levels",
+    "extrap_levels",
+    "interp_levels",
+    "eval_n",
+    "eval_levels",
+    "max_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "model",
+)
+#: the evaluation of a tuning trial (validation rows): exact match only, no frontier (what choosing needs)
+TUNE_EVAL = dict(
+    accuracy="teacher_forced_argmax",
+    forced_depths=False,
+    exit_policies=False,
+    policy_generation=False,
+    frontier=False,
+    html_samples=0,
+)
+#: the evaluation of a test trial: the forced-depth curve and the frontier with random allocation and the oracle (the
+#: main job's frontier, retrofit.recipe.main_job); depths at the producing positions ("predict": what decoding
+#: computes), so a row's d̄ in the per-example Spearman is the d̄ of the steps that produce its answer tokens
+TEST_EVAL = dict(
+    accuracy="teacher_forced_argmax",
+    alignment="predict",
+    forced_depths=True,
+    exit_policies=False,
+    policy_generation=False,
+    frontier=True,
+    frontier_stop_shares=(0.1, 0.3, 0.5, 0.7, 0.9),
+    frontier_random_draws=3,
+    frontier_rows_per_level=25,
+    html_samples=0,
+)
+MIN_LEARNING_RATES = 3
+MIN_SEEDS = 3
+
+_TOP = ("name", "description", "preset", "set", "budget", "threads", "keep_models", "tuning", "testing", "arms", "out")
+_ARM = ("kind", "preset", "set", "learning_rates", "enabled", "description")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of the study.
+
+    Attributes:
+        name: its key in ``arms``.
+        kind: ``sft``, ``fixed`` or ``looped`` (``ARM_KINDS``).
+        preset: the recipe preset it starts from (absolute).
+        flags: recipe flags over the preset: the study's ``set``, the arm's ``set``, then ``budget``.
+        learning_rates: its tuning grid.
+        description: free text for study.md.
+    """
+
+    name: str
+    kind: str
+    preset: Path
+    flags: tuple[tuple[str, Any], ...]
+    learning_rates: tuple[float, ...]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """A study file, resolved (module docstring)."""
+
+    path: Path
+    name: str
+    arms: tuple[Arm, ...]
+    tuning_seed: int
+    test_seeds: tuple[int, ...]
+    tune_eval: dict = field(default_factory=dict)
+    test_eval: dict = field(default_factory=dict)
+    threads: int = 1
+    keep_models: bool = False
+    description: str = ""
+    out: Path | None = None
+    warnings: tuple[str, ...] = ()
+
+    def arm(self, name: str) -> Arm:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise RetrofitUserError(f"no arm {name!r} in {self.path}; arms: {', '.join(a.name for a in self.arms)}")
+
+
+def _mapping(value: Any, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RetrofitUserError(f"{where} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _keys(d: dict, allowed: tuple[str, ...], where: str) -> None:
+    bad = sorted(set(d) - set(allowed))
+    if bad:
+        raise RetrofitUserError(f"{where}: unknown key(s) {', '.join(map(str, bad))}; allowed: {', '.join(allowed)}")
+
+
+def _flags(d: dict, where: str) -> dict:
+    d = _mapping(d, where)
+    bad = sorted(k for k in d if k in RESERVED)
+    if bad:
+        raise RetrofitUserError(f"{where}: {', '.join(bad)} is set by the study per trial; drop it from {where}")
+    return d
+
+
+def _lrs(value: Any, where: str) -> tuple[float, ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise RetrofitUserError(f"{where} must be a non-empty list of learning rates, got {value!r}")
+    try:
+        lrs = tuple(float(x) for x in value)
+    except (TypeError, ValueError):
+        raise RetrofitUserError(f"{where} must hold numbers, got {value!r}") from None
+    if any(not x > 0 for x in lrs) or len(set(lrs)) != len(lrs):
+        raise RetrofitUserError(f"{where} must hold distinct positive learning rates, got {list(lrs)}")
+    return tuple(sorted(lrs))
+
+
+def _eval(value: Any, defaults: dict, where: str) -> dict:
+    from ..evaluation.options import EvalOptions
+
+    over = _mapping(value, where)
+    names = {f.name for f in dataclasses.fields(EvalOptions)}
+    bad = sorted(set(over) - names)
+    if bad:
+        raise RetrofitUserError(f"{where}: unknown EvalOptions field(s) {', '.join(bad)}; allowed: {sorted(names)}")
+    merged = {**defaults, **{k: tuple(v) if isinstance(v, list) else v for k, v in over.items()}}
+    if "progress" in merged:
+        raise RetrofitUserError(f"{where}: progress is a flag of the command (--quiet), not of the study")
+    try:
+        EvalOptions(**merged)
+    except ValueError as e:
+        raise RetrofitUserError(f"{where}: {e}") from None
+    return merged
+
+
+def load_study(path: str | Path) -> StudyConfig:
+    """Read and check a study file (module docstring); raises ``RetrofitUserError`` naming the first problem."""
+    import yaml
+
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise RetrofitUserError(f"study config {path} does not exist")
+    raw = yaml.safe_load(path.read_text())
+    raw = _mapping(raw, str(path))
+    _keys(raw, _TOP, str(path))
+    here = path.parent
+    warnings: list[str] = []
+
+    def preset_of(value, where) -> Path:
+        if not value:
+            raise RetrofitUserError(
+                f"{where}: a preset (a recipe YAML, e.g. recipes/configs/tah2_llama.yaml) is needed"
+            )
+        p = (here / value).resolve()
+        if not p.is_file():
+            raise RetrofitUserError(f"{where}: preset {p} does not exist")
+        return p
+
+    common = _flags(raw.get("set"), "set")
+    budget = _flags(raw.get("budget"), "budget")
+    tuning = _mapping(raw.get("tuning"), "tuning")
+    _keys(tuning, ("seed", "learning_rates", "eval"), "tuning")
+    testing = _mapping(raw.get("testing"), "testing")
+    _keys(testing, ("seeds", "eval"), "testing")
+    grid = _lrs(tuning["learning_rates"], "tuning.learning_rates") if "learning_rates" in tuning else None
+    arms_raw = _mapping(raw.get("arms"), "arms")
+    arms = []
+    for name, spec in arms_raw.items():
+        where = f"arms.{name}"
+        spec = _mapping(spec, where)
+        _keys(spec, _ARM, where)
+        if spec.get("kind") not in ARM_KINDS:
+            raise RetrofitUserError(f"{where}.kind must be one of {', '.join(ARM_KINDS)}, got {spec.get('kind')!r}")
+        if not spec.get("enabled", True):
+            continue
+        own = _flags(spec.get("set"), f"{where}.set")
+        clash = sorted(set(own) & set(budget))
+        if clash:
+            raise RetrofitUserError(f"{where}.set overrides the budget ({', '.join(clash)}): every arm trains on it")
+        lrs = _lrs(spec["learning_rates"], f"{where}.learning_rates") if "learning_rates" in spec else grid
+        if lrs is None:
+            raise RetrofitUserError(f"{where}: no learning-rate grid (tuning.learning_rates or {where}.learning_rates)")
+        flags = {**common, **own, **budget}
+        preset = preset_of(spec.get("preset") or raw.get("preset"), where)
+        arms.append(Arm(name, spec["kind"], preset, tuple(flags.items()), lrs, str(spec.get("description", ""))))
+    if not arms:
+        raise RetrofitUserError(f"{path}: no enabled arm; arms need a kind ({', '.join(ARM_KINDS)})")
+    sizes = {a.name: len(a.learning_rates) for a in arms}
+    if len(set(sizes.values())) > 1:
+        raise RetrofitUserError(
+            "every arm gets the same number of tuning trials (equal tuning budget); grid sizes differ: "
+            + ", ".join(f"{k} {v}" for k, v in sizes.items())
+        )
+    n_lr = next(iter(sizes.values()))
+    if n_lr < MIN_LEARNING_RATES:
+        warnings.append(f"{n_lr} learning rate(s) per arm (< {MIN_LEARNING_RATES}): a smoke test, not a tuned study")
+    seeds = testing.get("seeds")
+    if not isinstance(seeds, (list, tuple)) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise RetrofitUserError(f"testing.seeds must be a non-empty list of integers, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise RetrofitUserError(f"testing.seeds must be distinct, got {seeds}")
+    if len(seeds) < MIN_SEEDS:
+        warnings.append(f"{len(seeds)} test seed(s) (< {MIN_SEEDS}): the across-seed intervals are not a result")
+    tseed = tuning.get("seed", 0)
+    if not isinstance(tseed, int):
+        raise RetrofitUserError(f"tuning.seed must be an integer, got {tseed!r}")
+    if tseed in seeds:
+        warnings.append(f"the tuning seed {tseed} is also a test seed: that test run was part of the choice")
+    threads = raw.get("threads", 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise RetrofitUserError(f"threads must be a positive integer, got {threads!r}")
+    if not isinstance(raw.get("name", path.stem), str):
+        raise RetrofitUserError("name must be a string")
+    return StudyConfig(
+        path=path,
+        name=raw.get("name", path.stem),
+        arms=tuple(arms),
+        tuning_seed=tseed,
+        test_seeds=tuple(seeds),
+        tune_eval=_eval(tuning.get("eval"), TUNE_EVAL, "tuning.eval"),
+        test_eval=_eval(testing.get("eval"), TEST_EVAL, "testing.eval"),
+        threads=threads,
+        keep_models=bool(raw.get("keep_models", False)),
+        description=str(raw.get("description", "")),
+        out=(here / raw["out"]).resolve() if raw.get("out") else None,
+        warnings=tuple(warnings),
+    )

@@ -1,0 +1,248 @@
+"""study.md and study.png from a study dict (``runner.write_study``; docs/study.md)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+
+def _pct(v, digits: int = 1) -> str:
+    return "–" if v is None or v != v else f"{100 * v:.{digits}f}"
+
+
+def _pts(v) -> str:
+    return "–" if v is None or v != v else f"{100 * v:+.1f}"
+
+
+def _ci(ci, scale: float = 100) -> str:
+    if not ci or ci[0] is None or ci[0] != ci[0]:
+        return "–"
+    return f"[{scale * ci[0]:+.1f}, {scale * ci[1]:+.1f}]" if scale == 100 else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]"
+
+
+def _p(v) -> str:
+    return "–" if v is None or v != v else f"{v:.2g}"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows), ""]
+
+
+def _mean_depth(per_seed) -> str:
+    ds = [p["mean_depth"] for p in per_seed if p.get("mean_depth") is not None]
+    return f"{np.mean(ds):.2f}" if ds else "–"
+
+
+def _signs(v) -> str:
+    return " ".join({1: "+", 0: "0", -1: "−", None: "?"}[s] for s in v)
+
+
+def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
+    """The tables of a study: the grid and each arm's choice, per-seed and across-seed effects with intervals and
+    the claims met or not, the frontier across seeds, the environment and the times."""
+    t, te = study["tuning"], study["testing"]
+    out = [
+        f"# Study `{study['name']}`",
+        "",
+        study.get("description") or "",
+        "",
+        f"Reproduce: `retrofit study {study['config']}` (the same command resumes). Tuning on {t['n_rows']} "
+        f"validation rows with seed {t['seed']}; testing on {te['n_rows']} test rows with seeds "
+        f"{', '.join(map(str, te['seeds']))}. Every figure is in study.json.",
+        "",
+    ]
+    for w in study.get("warnings") or []:
+        out += [f"> **Warning:** {w}.", ""]
+    out += ["## Claims", ""]
+    out += _table(
+        ["claim", "arm", "met"],
+        [[c["claim"], k.split(":", 1)[1], "**yes**" if c["met"] else "no"] for k, c in study["claims"].items()],
+    )
+    out += ["## Tuning: the same grid for every arm", "", f"Choice: {t['rule']}.", ""]
+    lrs = sorted({r["lr"] for a in t["arms"].values() for r in a["trials"]})
+    rows = []
+    for arm, a in t["arms"].items():
+        by = {r["lr"]: r for r in a["trials"]}
+        cells = []
+        for lr in lrs:
+            r = by.get(lr)
+            txt = "" if r is None else f"{_pct(r['accuracy'])}% ({r['mean_token_nll']:.3f})"
+            cells.append(f"**{txt}**" if r is not None and lr == a["chosen_lr"] else txt)
+        rows.append([arm, *cells, f"{a['chosen_lr']:g}"])
+    out += ["Validation accuracy (mean answer-token loss) per learning rate; bold: chosen.", ""]
+    out += _table(["arm", *[f"lr {x:g}" for x in lrs], "chosen"], rows)
+
+    out += ["## Testing: each arm at its chosen rate", ""]
+    rows = []
+    for arm, a in te["arms"].items():
+        accs = [p["accuracy"] for p in a["per_seed"]]
+        rows.append(
+            [
+                arm,
+                f"{a['lr']:g}",
+                *[_pct(x) for x in accs],
+                _pct(float(np.mean(accs))),
+                _mean_depth(a["per_seed"]),
+                f"{np.mean([p['flops_per_token'] for p in a['per_seed']]) / 1e6:.1f}",
+            ]
+        )
+    out += _table(["arm", "lr", *[f"seed {s}" for s in te["seeds"]], "mean", "d̄ (mean)", "MFLOPs / answer token"], rows)
+
+    b = study["bootstrap"]
+    out += [
+        "## Effects across seeds",
+        "",
+        f"Difference a − b in points (Spearman: ρ), mean over seeds; 95% interval from a bootstrap that resamples "
+        f"seeds and rows ({b['across_seeds']}; {b['resamples']} resamples, {b['resamples_spearman']} for a "
+        "Spearman); the sign of the effect in each seed.",
+        "",
+    ]
+    rows = []
+    for e in study["effects"]:
+        acr = e.get("across_seeds")
+        spearman = e["effect"].startswith("depth_vs")
+        est = (
+            "–"
+            if not acr or acr["estimate"] != acr["estimate"]
+            else (f"{acr['estimate']:+.3f}" if spearman else _pts(acr["estimate"]))
+        )
+        ci = "–" if not acr else _ci(acr["ci"], 1 if spearman else 100)
+        met = "" if "met" not in e else ("**yes**" if e["met"] else "no")
+        rows.append(
+            [
+                e["effect"],
+                f"{e['a']} vs {e['b']}",
+                e.get("rows", ""),
+                est,
+                ci,
+                _signs(acr["signs"]) if acr else "–",
+                met,
+            ]
+        )
+    out += _table(["effect", "arms", "rows", "mean", "95% CI (seeds × rows)", "sign per seed", "claim met"], rows)
+
+    out += ["## Effects per seed", "", "Paired on the same rows: exact McNemar (sign-flip for random allocation).", ""]
+    rows = []
+    for e in study["effects"]:
+        for p in e.get("per_seed", []):
+            if "spearman" in p:
+                rho = "–" if p["spearman"] is None or p["spearman"] != p["spearman"] else f"{p['spearman']:+.3f}"
+                rows.append([e["effect"], f"{e['a']} vs {e['b']}", str(p["seed"]), f"ρ {rho}", "", "", ""])
+                continue
+            if p.get("difference") is None:
+                rows.append([e["effect"], f"{e['a']} vs {e['b']}", str(p["seed"]), "–", "", "", p.get("reason", "")])
+                continue
+            test = f"sign-flip {_p(p['sign_flip_p'])}" if "sign_flip_p" in p else f"McNemar {_p(p.get('mcnemar_p'))}"
+            extra = []
+            if p.get("point"):
+                extra.append(f"{p['point']}, {p['flops_ratio']:.2f}× FLOPs")
+            elif p.get("flops_ratio") is not None:
+                extra.append(f"{p['flops_ratio']:.2f}× FLOPs")
+            if "gap_closed" in p:
+                extra.append(f"random {_pct(p['accuracy_random'])}%, gap closed {_p(p['gap_closed'])}")
+            rows.append(
+                [
+                    e["effect"],
+                    f"{e['a']} vs {e['b']}",
+                    str(p["seed"]),
+                    f"{_pct(p['accuracy_a'])} vs {_pct(p['accuracy_b'])} ({_pts(p['difference'])})",
+                    test,
+                    _ci(p.get("bootstrap_ci")),
+                    "; ".join(extra),
+                ]
+            )
+    out += _table(["effect", "arms", "seed", "accuracy a vs b (points)", "test p", "bootstrap 95% CI", "notes"], rows)
+
+    out += ["## Frontier across seeds", "", "Frontier rows; mean over seeds [min–max].", ""]
+    rows = []
+    for arm, points in study["frontier"].items():
+        for g in points:
+            acc, fl, d = g["accuracy"], g["flops_per_token"], g["mean_depth"]
+            rows.append(
+                [
+                    arm,
+                    g["label"],
+                    "–" if not d else f"{d['mean']:.2f}",
+                    "–" if not fl else f"{fl['mean'] / 1e6:.1f}",
+                    "–" if not acc else f"{_pct(acc['mean'])} [{_pct(acc['min'])}–{_pct(acc['max'])}]",
+                ]
+            )
+    out += _table(["arm", "point", "d̄", "MFLOPs / answer token", "accuracy %"], rows)
+
+    env = study["environment"]
+    out += ["## Environment and time", ""]
+    out += [f"- {k}: {', '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in env.items()]
+    tot = timings.get("total", {})
+    out += [
+        f"- time (timings.json; not in study.json): training {tot.get('train_s', 0) / 60:.1f} min, evaluation "
+        f"{tot.get('eval_s', 0) / 60:.1f} min over {len(timings.get('trials', {}))} trials",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def plot_study(study: dict[str, Any], path: str | os.PathLike) -> str:
+    """Accuracy vs FLOPs per answer token on the frontier rows: every arm (colour) and policy (marker), each point
+    the mean over seeds with the seeds' min–max as error bars in both directions; the decider's points joined."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    markers = {"decider": "o", "random": "D", "oracle": "^", "ceiling": "X", "forced": "s", "plain": "P"}
+    fig = Figure(figsize=(7.4, 5.0), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.grid(True, alpha=0.3)
+    colors = [c["color"] for c in __import__("matplotlib").rcParams["axes.prop_cycle"]]
+    for i, (arm, points) in enumerate(study["frontier"].items()):
+        color = colors[i % len(colors)]
+        for policy, marker in markers.items():
+            mine = [g for g in points if g["policy"] == policy and g["accuracy"] and g["flops_per_token"]]
+            if not mine:
+                continue
+            mine.sort(key=lambda g: g["flops_per_token"]["mean"])
+            x = np.array([g["flops_per_token"]["mean"] for g in mine]) / 1e6
+            y = np.array([g["accuracy"]["mean"] for g in mine])
+            xerr = (
+                np.array(
+                    [
+                        [g["flops_per_token"]["mean"] - g["flops_per_token"]["min"] for g in mine],
+                        [g["flops_per_token"]["max"] - g["flops_per_token"]["mean"] for g in mine],
+                    ]
+                )
+                / 1e6
+            )
+            yerr = np.array(
+                [
+                    [g["accuracy"]["mean"] - g["accuracy"]["min"] for g in mine],
+                    [g["accuracy"]["max"] - g["accuracy"]["mean"] for g in mine],
+                ]
+            )
+            filled = policy not in ("random", "forced")
+            ax.errorbar(
+                x,
+                y,
+                xerr=xerr,
+                yerr=yerr,
+                fmt=("-" if policy == "decider" else "") + marker,
+                color=color,
+                mfc=color if filled else "none",
+                ms=5,
+                capsize=2,
+                linewidth=0.9,
+                label=f"{arm}: {policy}",
+            )
+    ax.set_xlabel("matmul MFLOPs per answer token")
+    ax.set_ylabel("greedy exact-match accuracy (frontier rows)")
+    ax.set_title(f"study {study['name']}: mean over {len(study['testing']['seeds'])} seeds, bars = min–max", fontsize=9)
+    ax.legend(fontsize=6, ncol=2, loc="best")
+    fig.tight_layout()
+    import io
+
+    from ..hub.atomic_io import write_bytes_atomic
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    write_bytes_atomic(path, buf.getvalue())
+    return os.fspath(path)

@@ -1,0 +1,237 @@
+"""``run_study``: tuning, then testing, then the statistics; resumable from the trials' result JSONs
+(docs/study.md).
+
+Layout of a study folder (``--out``)::
+
+    trials/<phase>-<arm>-lr<lr>-s<seed>/result.json   one per trial (the only thing resuming needs)
+    study.json     every figure: the grid and each arm's choice, the effects per seed and across seeds, the
+                   frontier per seed, the claims, the environment (no times, no absolute paths: the same
+                   trials give the same file)
+    timings.json   seconds per trial (training, evaluation, frontier), and the totals
+    study.md       the tables; study.png the accuracy-vs-FLOPs plot
+
+**Resuming.** The same command continues where it stopped: a trial whose ``result.json`` exists, with the key of
+the trial the config asks for (``trial.trial_key``: its recipe flags, its preset's settings, its evaluation
+options, the thread count), is not run again; a folder without one is a trial that did not finish and starts over; a
+result with another key means the config changed under it and stops the study with an error that names the trial
+(nothing is overwritten). The statistics are computed from the result JSONs after reading them back, also right
+after a trial ran, so a resumed and an uninterrupted study give the same ``study.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from ..model.errors import RetrofitUserError
+from . import analysis as A
+from .config import StudyConfig, load_study
+from .env import environment
+from .trial import Trial, check_arms, read_result, run_trial, trial_key
+
+logger = logging.getLogger(__name__)
+
+
+def tuning_trials(cfg: StudyConfig) -> list[Trial]:
+    """Every arm at every learning rate of its grid, on the tuning seed (validation rows)."""
+    return [Trial("tune", a.name, lr, cfg.tuning_seed) for a in cfg.arms for lr in a.learning_rates]
+
+
+def test_trials(cfg: StudyConfig, choices: dict[str, dict]) -> list[Trial]:
+    """Every arm at its chosen learning rate, at every test seed (test rows)."""
+    return [Trial("test", a.name, choices[a.name]["chosen_lr"], s) for a in cfg.arms for s in cfg.test_seeds]
+
+
+class Study:
+    """A study's folder: where each trial lives, which are done, and running the rest."""
+
+    def __init__(self, cfg: StudyConfig, out: Path, progress: bool = True, runner=run_trial):
+        self.cfg, self.out, self.progress, self.runner = cfg, Path(out), progress, runner
+
+    def folder(self, t: Trial) -> Path:
+        return self.out / "trials" / t.id
+
+    def result(self, t: Trial) -> dict | None:
+        """The finished trial's result, or None; a result of other settings stops the study (module docstring)."""
+        r = read_result(self.folder(t))
+        if r is None:
+            return None
+        want = trial_key(self.cfg, t)
+        if r.get("key") != want:
+            raise RetrofitUserError(
+                f"{self.folder(t)} holds a result of other settings (key {r.get('key')} != {want}): the config or a "
+                "preset changed since it ran. Restore them, study into another --out, or delete that folder to run "
+                "the trial again"
+            )
+        return r
+
+    def run(self, trials: list[Trial], jobs: int, bar) -> dict[Trial, dict]:
+        """Run the trials that are not done (``jobs`` at a time, each its own process when > 1); return every
+        trial's result as read back from its JSON."""
+        todo = [t for t in trials if self.result(t) is None]
+        bar.update(len(trials) - len(todo))
+        if jobs <= 1:
+            for t in todo:
+                bar.set_postfix_str(t.id)
+                self.runner(self.cfg, t, self.folder(t), progress=self.progress)
+                bar.update(1)
+        elif todo:
+            pool = ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+            try:
+                running = {pool.submit(_worker, str(self.cfg.path), t, str(self.folder(t))): t for t in todo}
+                while running:
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        t = running.pop(f)
+                        f.result()  # a failed trial stops the study: the queued ones are cancelled
+                        bar.set_postfix_str(t.id)
+                        bar.update(1)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            pool.shutdown()
+        out = {}
+        for t in trials:
+            r = self.result(t)
+            if r is None:
+                raise RuntimeError(f"trial {t.id} finished without {self.folder(t)}/result.json")
+            out[t] = r
+        return out
+
+
+def _worker(config: str, trial: Trial, folder: str) -> None:
+    """One trial in a worker process of ``--jobs``: the study's config read again, the trial run quietly."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run_trial(load_study(config), trial, Path(folder), progress=False)
+
+
+def default_out(cfg: StudyConfig) -> Path:
+    return cfg.out or Path("outputs") / "studies" / cfg.name
+
+
+def run_study(
+    config: str | Path, out: str | Path | None = None, jobs: int = 1, progress: bool = True, runner=run_trial
+) -> dict[str, Any]:
+    """Run (or resume) the study in ``config`` into ``out`` (default: the config's ``out``, else
+    ``outputs/studies/<name>``); write study.json, timings.json, study.md and study.png; return the study dict.
+
+    Args:
+        jobs: trials at a time (``--jobs``; each worker uses the config's ``threads``).
+        runner: the trial runner (tests inject failures through it).
+    """
+    from tqdm.auto import tqdm
+
+    cfg = load_study(config)
+    for w in cfg.warnings:
+        logger.warning("%s: %s", cfg.path.name, w)
+    check_arms(cfg)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise RetrofitUserError(f"--jobs must be a positive integer, got {jobs!r}")
+    study = Study(cfg, Path(out) if out is not None else default_out(cfg), progress, runner)
+    n = sum(len(a.learning_rates) + len(cfg.test_seeds) for a in cfg.arms)
+    with tqdm(total=n, desc=f"study {cfg.name}", unit="trial", disable=not progress, dynamic_ncols=True) as bar:
+        results = study.run(tuning_trials(cfg), jobs, bar)
+        choices = A.choose(cfg, results)
+        results.update(study.run(test_trials(cfg, choices), jobs, bar))
+    return write_study(cfg, study.out, choices, results)
+
+
+def plan(config: str | Path, out: str | Path | None = None) -> list[tuple[str, str]]:
+    """``--dry-run``: ``[(trial id or phase, state)]``: which trials are done, which would run next."""
+    cfg = load_study(config)
+    check_arms(cfg)
+    study = Study(cfg, Path(out) if out is not None else default_out(cfg))
+    rows = [(t.id, "done" if study.result(t) else "to run") for t in tuning_trials(cfg)]
+    tuned = {t: study.result(t) for t in tuning_trials(cfg)}
+    if all(tuned.values()):
+        rows += [(t.id, "done" if study.result(t) else "to run") for t in test_trials(cfg, A.choose(cfg, tuned))]
+    else:
+        rows += [(f"test-{a.name} x {len(cfg.test_seeds)} seeds", "after tuning") for a in cfg.arms]
+    return rows
+
+
+def write_study(cfg: StudyConfig, out: Path, choices: dict, results: dict[Trial, dict]) -> dict[str, Any]:
+    """study.json, timings.json, study.md and study.png from the trials' results (``analysis``)."""
+    from ..hub.atomic_io import write_json_atomic
+    from .report import plot_study, study_markdown
+
+    test = {
+        a.name: {s: results[Trial("test", a.name, choices[a.name]["chosen_lr"], s)] for s in cfg.test_seeds}
+        for a in cfg.arms
+    }
+    found = A.effects(cfg, test)
+    tune_rows = results[tuning_trials(cfg)[0]]["rows"]
+    test_rows = next(iter(next(iter(test.values())).values()))["rows"]
+    study = {
+        "name": cfg.name,
+        "description": cfg.description,
+        "config": cfg.path.name,
+        "warnings": list(cfg.warnings),
+        "environment": environment(results),
+        "arms": {
+            a.name: {
+                "kind": a.kind,
+                "preset": a.preset.name,
+                "flags": dict(a.flags),
+                "learning_rates": list(a.learning_rates),
+                "description": a.description,
+            }
+            for a in cfg.arms
+        },
+        "tuning": {
+            "seed": cfg.tuning_seed,
+            "rows": tune_rows["split"],
+            "n_rows": tune_rows["n"],
+            "rule": A.CHOICE_RULE,
+            "eval": cfg.tune_eval,
+            "arms": choices,
+        },
+        "testing": {
+            "seeds": list(cfg.test_seeds),
+            "rows": test_rows["split"],
+            "n_rows": test_rows["n"],
+            "eval": cfg.test_eval,
+            "arms": {
+                arm: {
+                    "lr": choices[arm]["chosen_lr"],
+                    "per_seed": [
+                        {
+                            "seed": s,
+                            "trial": r["trial"]["id"],
+                            "accuracy": r["accuracy"],
+                            "accuracy_ci": r["accuracy_ci"],
+                            "splits": r["splits"],
+                            "mean_depth": r["mean_depth"],
+                            "flops_per_token": r["flops_per_token"],
+                            "forced_depth_accuracy": r["forced_depth_accuracy"],
+                        }
+                        for s, r in by_seed.items()
+                    ],
+                }
+                for arm, by_seed in test.items()
+            },
+        },
+        "bootstrap": {
+            "across_seeds": "crossed: each resample draws the seeds and, independently, the rows with replacement (one "
+            "row draw for every seed, as every seed is scored on the same test rows); percentile 95% interval",
+            "resamples": A.N_BOOT,
+            "resamples_spearman": A.N_BOOT_SPEARMAN,
+        },
+        "effects": found,
+        "claims": A.claims(found),
+        "frontier": A.frontier_summary(test, list(cfg.test_seeds)),
+    }
+    timings = {t.id: r.get("timings") for t, r in sorted(results.items(), key=lambda kv: kv[0].id) if r.get("timings")}
+    totals = {k: round(sum((v or {}).get(k) or 0 for v in timings.values()), 1) for k in ("train_s", "eval_s")}
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "study.json", study, strict=True)
+    write_json_atomic(out / "timings.json", {"trials": timings, "total": totals}, strict=True)
+    from ..hub.atomic_io import write_text_atomic
+
+    write_text_atomic(out / "study.md", study_markdown(study, {"trials": timings, "total": totals}))
+    plot_study(study, out / "study.png")
+    return study

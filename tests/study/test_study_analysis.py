@@ -1,0 +1,243 @@
+"""The study's statistics (retrofit/study/analysis.py) on hand-made result JSONs, against brute force: the tuning
+choice and its tie-breaks, each effect per seed and across seeds, the equal-FLOPs point, the depth Spearmans,
+the claims."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from retrofit.evaluation.stats import mcnemar_exact
+from retrofit.study import analysis as A
+from retrofit.study.trial import Trial, bits
+
+SEEDS = (1, 2, 3)
+LEVELS = [1] * 6 + [2] * 6
+FROWS = [0, 1, 2, 6, 7, 8]  # the first 3 rows of each level
+
+
+def _s(x) -> str:
+    return "".join("1" if v else "0" for v in np.asarray(x, dtype=bool))
+
+
+def _cfg(*arms):
+    return types.SimpleNamespace(
+        test_seeds=SEEDS,
+        tuning_seed=0,
+        arms=[types.SimpleNamespace(name=n, kind=k, learning_rates=(1e-3, 2e-3, 3e-3)) for n, k in arms],
+    )
+
+
+def _result(kind, seed, rng, fixed_flops=20.0):
+    """One test result of an arm: outcomes drawn per seed; an adaptive arm right more often than the others."""
+    p = {"sft": 0.3, "fixed": 0.5, "looped": 0.8}[kind]
+    correct = rng.random(12) < p
+    r = {
+        "trial": {"id": f"test-{kind}-s{seed}", "phase": "test", "arm": kind, "kind": kind, "lr": 1e-3},
+        "seed": seed,
+        "model": {
+            "looped": kind != "sft",
+            "method": {"sft": None, "fixed": "fixed", "looped": "tah2"}[kind],
+            "max_depth": 2,
+        },
+        "loop": None if kind == "sft" else {"prelude": 1, "core": 4, "max_depth": 2},
+        "rows": {"split": "test", "n": 12, "levels": LEVELS, "answers": "same"},
+        "accuracy": float(correct.mean()),
+        "correct": _s(correct),
+        "flops_per_token": {"sft": 8.0, "fixed": fixed_flops, "looped": 24.0}[kind],
+    }
+    m = np.random.default_rng(99).integers(1, 4, size=12)  # content tokens per row: the same answers in every arm
+    if kind == "sft":
+        r["tokens"] = {"nll": [rng.random(k).round(4).tolist() for k in m]}
+        pts = [("plain", "plain", 8.0, {})]
+    else:
+        r["tokens"] = {"depth": ["".join(str(d) for d in rng.integers(1, 3, size=k)) for k in m]}
+        pts = [
+            ("forced:1", "forced", 10.0, {"depth": 1}),
+            ("forced:2", "forced", fixed_flops if kind == "fixed" else 20.0, {"depth": 2}),
+        ]
+    if kind == "looped":
+        pts += [
+            ("decider:own", "decider", 24.0, {"own": True}),
+            ("decider:0.7", "decider", 18.0, {"stop_share": 0.5}),
+            ("decider:0.9", "decider", 12.0, {"stop_share": 0.9}),
+            ("random:own", "random", 24.0, {}),
+            ("oracle:own", "oracle", 24.0, {}),
+        ]
+    corr = {}
+    for key, *_ in pts:
+        corr[key] = [_s(rng.random(6) < 0.5) for _ in range(2)] if key.startswith("random") else _s(rng.random(6) < 0.6)
+    r["frontier"] = {
+        "rows": FROWS,
+        "points": [
+            {
+                "key": k,
+                "policy": pol,
+                "flops_per_token": f,
+                "accuracy": float(np.mean(bits(corr[k]) if isinstance(corr[k], str) else [bits(x) for x in corr[k]])),
+                "mean_depth": 1.5,
+                **kw,
+            }
+            for k, pol, f, kw in pts
+        ],
+        "correct": corr,
+    }
+    if kind == "looped":
+        dec, rnd, orc = (
+            bits(corr["decider:own"]),
+            np.stack([bits(x) for x in corr["random:own"]]),
+            bits(corr["oracle:own"]),
+        )
+        r["frontier"]["decider_vs_random"] = {
+            "own": {
+                "accuracy_a": dec.mean(),
+                "accuracy_b": rnd.mean(),
+                "difference": dec.mean() - rnd.mean(),
+                "sign_flip_p": 0.5,
+                "bootstrap": {"ci": [-0.1, 0.1]},
+                "decider_mean_depth": 1.5,
+                "random_mean_depth": 1.5,
+                "draws": 2,
+            }
+        }
+        a_only, b_only = int((dec & ~orc).sum()), int((~dec & orc).sum())
+        r["frontier"]["decider_vs_oracle"] = {
+            "own": {
+                "accuracy_decider": dec.mean(),
+                "accuracy_random": rnd.mean(),
+                "accuracy_oracle": orc.mean(),
+                "gap_closed": None,
+                "n_continues": 5,
+                "decider_vs_oracle": {
+                    "difference": dec.mean() - orc.mean(),
+                    "a_only": a_only,
+                    "b_only": b_only,
+                    "mcnemar_p": mcnemar_exact(a_only, b_only),
+                    "bootstrap": {"ci": [-0.2, 0.2]},
+                },
+            }
+        }
+    return r
+
+
+def _test(seed=0, fixed_flops=20.0):
+    rng = np.random.default_rng(seed)
+    return {kind: {s: _result(kind, s, rng, fixed_flops) for s in SEEDS} for kind in ("sft", "fixed", "looped")}
+
+
+def _by(found, name, a):
+    return next(e for e in found if e["effect"] == name and e["a"] == a)
+
+
+def test_every_effect_is_its_brute_force():
+    test = _test()
+    found = A.effects(_cfg(("sft", "sft"), ("fixed", "fixed"), ("looped", "looped")), test)
+
+    e = _by(found, "vs_tuned_sft", "looped")
+    diffs = []
+    for p, s in zip(e["per_seed"], SEEDS):
+        a, b = bits(test["looped"][s]["correct"]), bits(test["sft"][s]["correct"])
+        assert (p["a_only"], p["b_only"]) == (int((a & ~b).sum()), int((~a & b).sum()))
+        assert p["mcnemar_p"] == mcnemar_exact(p["a_only"], p["b_only"]) and p["difference"] == pytest.approx(
+            a.mean() - b.mean()
+        )
+        diffs.append(a.mean() - b.mean())
+    assert e["across_seeds"]["estimate"] == pytest.approx(np.mean(diffs))
+    assert e["across_seeds"]["per_seed"] == pytest.approx(diffs)
+    lo, hi = e["across_seeds"]["ci"]
+    assert lo <= np.mean(diffs) <= hi
+
+    # equal FLOPs: the fixed arm's depth 2 costs 20; of the decider points (24, 18, 12) the richest at <= 20 is 0.7
+    e = _by(found, "adaptive_vs_fixed_at_equal_flops", "looped")
+    for p, s in zip(e["per_seed"], SEEDS):
+        assert p["point"] == "decider:0.7" and p["flops_ratio"] == pytest.approx(18 / 20)
+        a = bits(test["looped"][s]["frontier"]["correct"]["decider:0.7"])
+        b = bits(test["fixed"][s]["frontier"]["correct"]["forced:2"])
+        assert p["difference"] == pytest.approx(a.mean() - b.mean())
+    assert "across_seeds" in e and e["met"] == (e["across_seeds"]["ci"][0] > -0.03)
+
+    e = _by(found, "decider_vs_random", "looped")
+    rows = []
+    for s in SEEDS:
+        fr = test["looped"][s]["frontier"]["correct"]
+        rows.append(bits(fr["decider:own"]) - np.mean([bits(x) for x in fr["random:own"]], axis=0))
+    assert e["across_seeds"]["estimate"] == pytest.approx(np.mean(rows))
+    assert [p["sign_flip_p"] for p in e["per_seed"]] == [0.5] * 3  # the engine's per-seed test, carried over
+
+    e = _by(found, "decider_vs_oracle", "looped")
+    d = [
+        bits(test["looped"][s]["frontier"]["correct"]["decider:own"]).mean()
+        - bits(test["looped"][s]["frontier"]["correct"]["oracle:own"]).mean()
+        for s in SEEDS
+    ]
+    assert e["across_seeds"]["estimate"] == pytest.approx(np.mean(d))
+
+    e = _by(found, "depth_vs_level", "looped")
+    for p, s in zip(e["per_seed"], SEEDS):
+        row_d = [np.mean([int(c) for c in x]) for x in test["looped"][s]["tokens"]["depth"]]
+        assert p["spearman"] == pytest.approx(scipy.stats.spearmanr(LEVELS, row_d).statistic)
+    assert e["across_seeds"]["estimate"] == pytest.approx(np.mean([p["spearman"] for p in e["per_seed"]]))
+
+    e = _by(found, "depth_vs_token_loss", "looped")
+    for p, s in zip(e["per_seed"], SEEDS):
+        dep = [int(c) for x in test["looped"][s]["tokens"]["depth"] for c in x]
+        nll = [v for x in test["sft"][s]["tokens"]["nll"] for v in x]
+        assert p["spearman"] == pytest.approx(scipy.stats.spearmanr(dep, nll).statistic)
+
+    claims = A.claims(found)
+    assert set(claims) == {
+        "beats_tuned_sft:fixed",
+        "beats_tuned_sft:looped",
+        "adaptive_not_worse_than_fixed_at_equal_flops:looped",
+        "decider_beats_random:looped",
+        "depth_follows_difficulty:looped",
+    }
+    for c in claims.values():
+        assert isinstance(c["met"], bool)
+
+
+def test_the_claim_follows_the_across_seed_interval():
+    """Every seed +50 points with a tight interval: met; one seed negative: not met (a sign in each seed counts)."""
+    test = _test()
+    for s in SEEDS:
+        test["looped"][s]["correct"] = _s([1] * 12)
+        test["sft"][s]["correct"] = _s([1] * 6 + [0] * 6)
+    cfg = _cfg(("sft", "sft"), ("looped", "looped"))
+    assert A.claims(A.effects(cfg, {k: test[k] for k in ("sft", "looped")}))["beats_tuned_sft:looped"]["met"]
+    test["looped"][3]["correct"] = _s([0] * 12)
+    e = _by(A.effects(cfg, {k: test[k] for k in ("sft", "looped")}), "vs_tuned_sft", "looped")
+    assert e["across_seeds"]["signs"] == [1, 1, -1] and not e["met"]
+
+
+def test_no_decider_point_within_the_fixed_arms_flops_gives_no_across_seed_figure():
+    found = A.effects(_cfg(("sft", "sft"), ("fixed", "fixed"), ("looped", "looped")), _test(fixed_flops=11.0))
+    e = _by(found, "adaptive_vs_fixed_at_equal_flops", "looped")
+    assert all(p["point"] is None and "no decider point" in p["reason"] for p in e["per_seed"])
+    assert "across_seeds" not in e and e["met"] is False
+
+
+@pytest.mark.parametrize(
+    "trials,chosen",
+    [
+        ([(0.5, 1.2), (0.6, 1.5), (0.4, 0.9)], 2e-3),  # the best accuracy
+        ([(0.6, 1.2), (0.6, 1.1), (0.4, 0.9)], 2e-3),  # a tie: the lower loss
+        ([(0.4, 1.0), (0.6, 1.0), (0.6, 1.0)], 2e-3),  # a tie in both: the smaller learning rate
+        ([(0.6, None), (0.6, 1.0), (0.1, 0.1)], 2e-3),  # no loss recorded ranks last among equals
+    ],
+)
+def test_the_choice_and_its_tie_breaks(trials, chosen):
+    cfg = _cfg(("sft", "sft"))
+    results = {
+        Trial("tune", "sft", lr, 0): {
+            "accuracy": acc,
+            "mean_token_nll": nll,
+            "trial": {"id": f"t{lr}"},
+            "rows": {"n": 10},
+        }
+        for lr, (acc, nll) in zip((1e-3, 2e-3, 3e-3), trials)
+    }
+    got = A.choose(cfg, results)["sft"]
+    assert got["chosen_lr"] == chosen and [t["lr"] for t in got["trials"]] == [1e-3, 2e-3, 3e-3]

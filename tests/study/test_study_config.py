@@ -1,0 +1,97 @@
+"""A study file's checks (retrofit/study/config.py): each bad config gives one clear error before anything trains,
+few seeds or learning rates only warn, and ``retrofit study`` says so on one line (exit code 2)."""
+
+from __future__ import annotations
+
+import pytest
+from test_study_resume import PRESET, STUDY, write_study
+
+from retrofit.model.errors import RetrofitUserError
+from retrofit.study.config import load_study
+from retrofit.study.trial import check_arms
+
+
+def _load(tmp_path, study):
+    path = write_study(tmp_path, study=study)
+    cfg = load_study(path)
+    check_arms(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (
+            ("  tah2: {{kind: looped}}", "  tah2: {{kind: adaptive}}"),
+            r"arms.tah2.kind must be one of sft, fixed, looped",
+        ),
+        (
+            ("  fixed: {{kind: fixed}}", "  fixed: {{kind: fixed, learning_rates: [1.0e-3]}}"),
+            r"grid sizes differ: sft 2, fixed 1, tah2 2",
+        ),
+        (("threads: 1", "threads: 1\nlearning_rate: 3"), r"unknown key\(s\) learning_rate; allowed: name"),
+        (("threads: 1", "threads: 1\nset: {{seed: 4}}"), r"set: seed is set by the study per trial"),
+        (("threads: 1", "threads: 1\nset: {{no_such_flag: 4}}"), r"arms.sft: the recipe rejects its flags"),
+        (
+            ("  tah2: {{kind: looped}}", "  tah2: {{kind: looped, set: {{n_train: 4}}}}"),
+            r"arms sft and tah2 differ in n_train \(8 vs 4\)",
+        ),
+        (("threads: 1", "threads: 1\nbudget: {{max_steps: 3}}\n"), None),
+        (("seeds: [1, 2]", "seeds: [1, 1]"), r"testing.seeds must be distinct"),
+        (("seeds: [1, 2]", "seeds: []"), r"testing.seeds must be a non-empty list"),
+        (
+            ("learning_rates: [1.0e-3, 3.0e-3]", "learning_rates: [1.0e-3, -3.0e-3]"),
+            r"distinct positive learning rates",
+        ),
+        (
+            ("bootstrap_samples: 200", "bootstrap_samples: 200, batch: 4"),
+            r"testing.eval: unknown EvalOptions field\(s\) batch",
+        ),
+        (("  sft: {{kind: sft}}", "  sft: {{kind: sft, enabled: false}}"), None),
+    ],
+)
+def test_bad_configs_give_one_clear_error(tmp_path, change, match):
+    study = STUDY.replace(*change)
+    assert study != STUDY, change
+    if match is None:
+        _load(tmp_path, study)  # valid variants: the budget block, a disabled arm
+        return
+    with pytest.raises(RetrofitUserError, match=match):
+        _load(tmp_path, study)
+
+
+def test_an_arm_that_overrides_the_budget_is_refused(tmp_path):
+    study = STUDY.replace("threads: 1", "threads: 1\nbudget: {{max_steps: 3}}").replace(
+        "  tah2: {{kind: looped}}", "  tah2: {{kind: looped, set: {{max_steps: 9}}}}"
+    )
+    with pytest.raises(RetrofitUserError, match=r"arms.tah2.set overrides the budget \(max_steps\)"):
+        _load(tmp_path, study)
+
+
+def test_no_validation_rows_is_refused(tmp_path):
+    path = write_study(tmp_path)
+    (tmp_path / "tiny_preset.yaml").write_text(PRESET.replace("n_valid: 3", "n_valid: 0"))
+    with pytest.raises(RetrofitUserError, match="tuning needs validation rows: set n_valid"):
+        check_arms(load_study(path))
+
+
+def test_few_seeds_and_learning_rates_warn_and_three_do_not(tmp_path):
+    cfg = _load(tmp_path / "a", STUDY)
+    assert [w.split(" (")[0] for w in cfg.warnings] == ["2 learning rate(s) per arm", "2 test seed(s)"]
+    full = STUDY.replace("[1.0e-3, 3.0e-3]", "[1.0e-3, 2.0e-3, 3.0e-3]").replace("seeds: [1, 2]", "seeds: [1, 2, 3]")
+    assert _load(tmp_path / "b", full).warnings == ()
+    overlap = full.replace("seeds: [1, 2, 3]", "seeds: [0, 1, 2]")
+    assert "also a test seed" in _load(tmp_path / "c", overlap).warnings[0]
+
+
+def test_the_command_reports_a_bad_config_on_one_line(tmp_path, capsys):
+    from retrofit.cli import main
+
+    path = write_study(tmp_path, study=STUDY.replace("  tah2: {{kind: looped}}", "  tah2: {{kind: nope}}"))
+    assert main(["study", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: arms.tah2.kind must be one of")
+    good = write_study(tmp_path / "good")
+    assert main(["study", str(good), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("to run") == 6 and out.count("after tuning") == 3 and "tune-tah2-lr0.003-s0" in out
