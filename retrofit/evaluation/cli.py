@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import analysis as A
-from .options import ACCURACY_MODES, DEFAULT_BATCH_SIZE, DEFAULT_N, GENERATION_BACKENDS, STRUCTURE_STRINGS, EvalOptions
+from .options import ACCURACY_MODES, DEFAULT_N, GENERATION_BACKENDS, STRUCTURE_STRINGS, EvalOptions
 from .runner import as_list, evaluate
 
 __all__ = ["add_arguments", "add_row_arguments", "run"]
@@ -126,69 +126,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--name", default=None, help="name of --model in the report (default: its folder/file name)")
     parser.add_argument("--compare-name", default=None, help="name of a single --compare model (same as MODEL=NAME)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help=_help("max_new_tokens"))
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help=_help("batch_size"))
-    parser.add_argument("--chat", action="store_true", help=_help("chat"))
-    parser.add_argument("--answer-sep", default=EvalOptions().answer_sep, help=_help("answer_sep"))
-    parser.add_argument("--alignment", choices=A.ALIGNMENTS, default=_default("alignment"), help=_help("alignment"))
-    parser.add_argument("--accuracy", choices=ACCURACY_MODES, default=_default("accuracy"), help=_help("accuracy"))
-    parser.add_argument(
-        "--structure-strings",
-        choices=STRUCTURE_STRINGS,
-        default=_default("structure_strings"),
-        help=_help("structure_strings"),
-    )
-    parser.add_argument(
-        "--no-forced-generation",
-        "--no-forced-depths",
-        dest="no_forced_depths",
-        action="store_true",
-        help="skip the forced-depth sweep 1..D (saves D passes)",
-    )
-    parser.add_argument(
-        "--no-exit-policies",
-        action="store_true",
-        help="skip " + _help("exit_policies")[0].lower() + _help("exit_policies")[1:],
-    )
-    parser.add_argument(
-        "--no-policy-generation", action="store_true", help="skip generating under the training-free exits"
-    )
-    parser.add_argument(
-        "--frontier",
-        action="store_true",
-        help=_help("frontier"),
-    )
-    parser.add_argument(
-        "--frontier-thresholds",
-        type=_float_list,
-        default=_default("frontier_thresholds"),
-        metavar="T1,T2,...",
-        help=_help("frontier_thresholds") + " Default: " + ",".join(f"{t:g}" for t in _default("frontier_thresholds")),
-    )
-    parser.add_argument(
-        "--frontier-draws", type=int, default=_default("frontier_random_draws"), help=_help("frontier_random_draws")
-    )
-    parser.add_argument(
-        "--no-frontier-oracle",
-        action="store_true",
-        help="Skip the oracle at equal compute and the accuracy ceiling (EvalOptions.frontier_oracle: "
-        + _help("frontier_oracle")
-        + ")",
-    )
-    parser.add_argument(
-        "--frontier-rows-per-level",
-        type=int,
-        default=_default("frontier_rows_per_level"),
-        help=_help("frontier_rows_per_level"),
-    )
-    parser.add_argument("--generation-backend", choices=GENERATION_BACKENDS, default="auto", help=_help("backend"))
-    parser.add_argument("--difficulty-reference", default=None, metavar="NAME", help=_help("difficulty_reference"))
-    parser.add_argument("--html-samples", type=int, default=2, help=_help("html_samples"))
+    add_option_arguments(parser)
     parser.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', ...")
     parser.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="load dtype (default: as stored)"
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", dest="progress", action="store_false", help="no progress bars (--progress false)")
+
+
+#: the choices of the ``EvalOptions`` fields that have a fixed set of values
+_CHOICES = {
+    "alignment": A.ALIGNMENTS,
+    "accuracy": ACCURACY_MODES,
+    "structure_strings": STRUCTURE_STRINGS,
+    "backend": GENERATION_BACKENDS,
+}
+#: earlier spellings of generated flags, kept: ``--no-X`` switches a boolean off, the others are aliases
+_ALIASES = {
+    "forced_depths": ["--no-forced-depths", "--no-forced-generation"],
+    "exit_policies": ["--no-exit-policies"],
+    "policy_generation": ["--no-policy-generation"],
+    "frontier_oracle": ["--no-frontier-oracle"],
+    "frontier_random_draws": ["--frontier-draws"],
+    "backend": ["--generation-backend"],
+}
+
+
+def add_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``EvalOptions`` field, made from the field (its type, default and help, declared once there):
+    ``--field-name VALUE``; a boolean takes ``true``/``false`` or stands alone for true; a tuple of numbers takes
+    ``0.1,0.5,0.9``. ``progress`` is ``--quiet``'s opposite. The main job's options all have one, so ``retrofit eval``
+    can run any evaluation the main job runs."""
+    import types
+    import typing
+
+    hints = typing.get_type_hints(EvalOptions)
+    for f in dataclasses.fields(EvalOptions):
+        name, hint, help_ = f.name, hints[f.name], f.metadata["help"]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kind = [a for a in typing.get_args(hint) if a is not type(None)][0] if union else hint
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, dest=name, type=_boolean, nargs="?", const=True, default=f.default, help=help_)
+            for alias in _ALIASES.get(name, []):
+                parser.add_argument(alias, dest=name, action="store_false", help=f"{flag} false")
+            continue
+        if typing.get_origin(kind) is tuple:
+            kw = dict(type=_float_list, metavar="X1,X2,...")
+        else:
+            kw = dict(type=kind if kind in (int, float, str) else str)
+        if name in _CHOICES:
+            kw["choices"] = _CHOICES[name]
+        parser.add_argument(flag, *_ALIASES.get(name, []), dest=name, default=f.default, help=help_, **kw)
+
+
+def _boolean(text: str) -> bool:
+    low = str(text).strip().lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _float_list(text: str) -> tuple[float, ...]:
@@ -258,27 +256,7 @@ def run(args: argparse.Namespace) -> int:
         compare = [
             (nm, *_load(spec, device, args.dtype)) for spec, nm in _compare_specs(args.compare, args.compare_name)
         ]
-        options = EvalOptions(
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
-            chat=args.chat,
-            answer_sep=args.answer_sep,
-            alignment=args.alignment,
-            forced_depths=not args.no_forced_depths,
-            exit_policies=not args.no_exit_policies,
-            policy_generation=not args.no_policy_generation,
-            html_samples=args.html_samples,
-            progress=not args.quiet,
-            backend=args.generation_backend,
-            difficulty_reference=args.difficulty_reference,
-            accuracy=args.accuracy,
-            structure_strings=args.structure_strings,
-            frontier=args.frontier,
-            frontier_thresholds=args.frontier_thresholds,
-            frontier_random_draws=args.frontier_draws,
-            frontier_oracle=not args.no_frontier_oracle,
-            frontier_rows_per_level=args.frontier_rows_per_level,
-        )
+        options = EvalOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EvalOptions)})
         results = evaluate(
             model,
             tok,

@@ -374,10 +374,37 @@ def test_frontier_options_validation_and_cli_flags():
     p = argparse.ArgumentParser()
     C.add_arguments(p)
     a = p.parse_args(["--model", "x", "--frontier", "--frontier-thresholds", "0.2,0.8", "--frontier-draws", "5"])
-    assert a.frontier and a.frontier_thresholds == (0.2, 0.8) and a.frontier_draws == 5
+    assert a.frontier and a.frontier_thresholds == (0.2, 0.8) and a.frontier_random_draws == 5
     assert a.frontier_rows_per_level is None
     d = p.parse_args(["--model", "x"])
-    assert not d.frontier and d.frontier_thresholds == (0.1, 0.3, 0.5, 0.7, 0.9) and d.frontier_draws == 3
+    assert not d.frontier and d.frontier_thresholds == (0.1, 0.3, 0.5, 0.7, 0.9) and d.frontier_random_draws == 3
+
+
+def test_every_eval_option_has_its_flag_made_from_the_field():
+    """``retrofit eval``'s flags are made from ``EvalOptions`` (one per field, its default and help): the main job's
+    frontier settings included, so ``retrofit eval`` runs what the main job runs; booleans take true/false, the old
+    ``--no-X`` spellings still switch them off."""
+    import argparse
+    import dataclasses
+
+    import retrofit.evaluation.cli as C
+
+    p = argparse.ArgumentParser()
+    C.add_arguments(p)
+    d = p.parse_args(["--model", "x"])
+    for f in dataclasses.fields(EvalOptions):
+        assert getattr(d, f.name) == f.default, f.name
+    help_text = p.format_help()
+    for f in dataclasses.fields(EvalOptions):
+        assert "--" + f.name.replace("_", "-") in help_text, f.name
+    a = p.parse_args(
+        ["--model", "x", "--frontier-stop-shares", "0.1,0.9", "--bootstrap-samples", "50", "--stats-seed", "3"]
+        + ["--confidence", "0.9", "--no-forced-depths", "--exit-policies", "false", "--chat", "--quiet"]
+    )
+    opts = EvalOptions(**{f.name: getattr(a, f.name) for f in dataclasses.fields(EvalOptions)})
+    assert opts.frontier_stop_shares == (0.1, 0.9) and (opts.bootstrap_samples, opts.stats_seed) == (50, 3)
+    assert opts.confidence == 0.9 and not opts.forced_depths and not opts.exit_policies and opts.chat
+    assert not opts.progress
 
 
 def test_cli_frontier_end_to_end(tok, tmp_path, capsys):
