@@ -34,8 +34,6 @@ from ..model.errors import RetrofitUserError
 
 #: what an arm trains (``retrofit.recipe``): the looped arm of its preset, or one of the control arms
 ARM_KINDS = ("sft", "fixed", "looped")
-#: the looped methods an arm may name (``--method``)
-METHODS = ("tah2", "anira-e", "anira-o", "fixed")
 #: recipe flags the study sets itself, per trial
 RESERVED = ("learning_rate", "seed", "output_dir", "control", "report", "resume", "config", "calibrate_stop_share")
 #: the settings every arm must share (the same data and budget: docs/study.md "Equal budget")

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from ..model import registry
 from ..model.errors import RetrofitUserError
-from .config import METHODS, SHARED, Arm, StudyConfig
+from .config import SHARED, Arm, StudyConfig
 from .env import trial_env
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def parse_trial_args(arm: Arm, lr: float, seed: int, folder: Path, quiet: bool =
     from ..recipe.args import RecipeSpec, parse_recipe_args
 
     argv = trial_argv(arm, lr, seed, folder) + (["--disable_tqdm", "true"] if quiet else [])
-    return parse_recipe_args(RecipeSpec(f"study arm {arm.name}", arm.preset, METHODS), argv)
+    return parse_recipe_args(RecipeSpec(f"study arm {arm.name}", arm.preset, registry.names()), argv)
 
 
 def check_arms(cfg: StudyConfig) -> dict[str, dict[str, Any]]:
@@ -92,8 +93,10 @@ def check_arms(cfg: StudyConfig) -> dict[str, dict[str, Any]]:
             raise RetrofitUserError(f"arms.{a.name}: {e}") from None
         except (SystemExit, ValueError) as e:  # the parser: an unknown flag, a bad value
             raise RetrofitUserError(f"arms.{a.name}: the recipe rejects its flags ({e})") from None
-        if a.kind == "looped" and largs.method == "fixed":
-            raise RetrofitUserError(f"arms.{a.name}: kind looped with method fixed; use kind: fixed")
+        if a.kind == "looped" and not registry.method_class(largs.method).has_decider():
+            raise RetrofitUserError(
+                f"arms.{a.name}: kind looped needs a method with a decider, got {largs.method!r}; use kind: fixed"
+            )
         values = {**vars(script), **vars(largs), **targs.to_dict()}
         seen[a.name] = {k: values.get(k) for k in SHARED}
     first = next(iter(seen))

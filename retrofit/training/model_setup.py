@@ -198,8 +198,9 @@ class ModelArgs:
 
 def _loop_config(self, fixed_graph: bool = False, **override) -> LoopConfig:
     """The ``LoopConfig`` these arguments describe: every ``LoopConfig`` field that ``LoopArgs`` has
-    (``LoopConfig.from_fields``); ``override`` replaces fields, e.g. for a control."""
-    return LoopConfig.from_fields(self, fixed_graph=fixed_graph, **override)
+    (``LoopConfig.from_fields``); ``fixed_graph=True`` forces a static graph (the recipes under ZeRO-3 and FSDP),
+    else the flag's value; ``override`` replaces fields, e.g. for a control."""
+    return LoopConfig.from_fields(self, fixed_graph=bool(fixed_graph or self.fixed_graph), **override)
 
 
 def _loop_fields() -> list[tuple]:

@@ -34,6 +34,22 @@ OTHER = {
     "decider_width_rule": "release",
     "decider_init": "torch",
     "padding_stops": True,
+    "fixed_graph": True,
+    # the loss weights and switches (LossConfig's, which LoopConfig inherits)
+    "alpha_d": 0.1,
+    "rho": 0.9,
+    "decider_weighting": "uniform",
+    "gamma": 0.02,
+    "prior_base": 1.5,
+    "dyn_pos_weight": False,
+    "pos_weight": 2.0,
+    "cost_min": 1e-5,
+    "cost_max": 2.0,
+    "decider_loss_norm": "weights",
+    "bce_margin": 0.1,
+    "kappa_scope": "pooled",
+    "kappa_gather": False,
+    "decider_loss_scope": "local",
 }
 
 

@@ -46,7 +46,7 @@ import dp_harness as H
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.data_parallel]
 
 ENGINES = ("ddp", "fsdp2", "zero3")
 METHODS = tuple(H.METHODS)  # fixed, tah2_m2, tah2_m3, ouro
