@@ -40,7 +40,7 @@ from ..model import registry
 from ..model.config import (
     LoopConfig,
 )
-from ..model.errors import RetrofitUserError
+from ..model.errors import RetrofitUserError, boolean_flag
 from ..training.model_setup import IdentityCheckError, identity_check  # noqa: F401 (IdentityCheckError: its old path)
 
 logger = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ def _scalar(hint):
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     kind = args[0]
     if kind is bool:
-        return _boolean
+        return boolean_flag
     return kind if kind in (int, float, str) else str
 
 
@@ -218,16 +218,6 @@ def loop_flags() -> list[tuple[str, object, object, str]]:
             continue
         out.append((f.name, _scalar(hints[f.name]), f.default, f.metadata.get("help", "")))
     return out
-
-
-def _boolean(v: str) -> bool:
-    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``) -> bool, for the true/false flags."""
-    low = str(v).strip().lower()
-    if low in ("true", "1", "yes"):
-        return True
-    if low in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
 
 
 def run(args) -> int:

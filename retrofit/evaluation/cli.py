@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from retrofit.model.errors import boolean_flag
+
 from . import analysis as A
 from .options import ACCURACY_MODES, DEFAULT_N, GENERATION_BACKENDS, STRUCTURE_STRINGS, EvalOptions
 from .runner import as_list, evaluate
@@ -167,7 +169,9 @@ def add_option_arguments(parser: argparse.ArgumentParser) -> None:
         kind = [a for a in typing.get_args(hint) if a is not type(None)][0] if union else hint
         flag = "--" + name.replace("_", "-")
         if kind is bool:
-            parser.add_argument(flag, dest=name, type=_boolean, nargs="?", const=True, default=f.default, help=help_)
+            parser.add_argument(
+                flag, dest=name, type=boolean_flag, nargs="?", const=True, default=f.default, help=help_
+            )
             for alias in _ALIASES.get(name, []):
                 parser.add_argument(alias, dest=name, action="store_false", help=f"{flag} false")
             continue
@@ -178,15 +182,6 @@ def add_option_arguments(parser: argparse.ArgumentParser) -> None:
         if name in _CHOICES:
             kw["choices"] = _CHOICES[name]
         parser.add_argument(flag, *_ALIASES.get(name, []), dest=name, default=f.default, help=help_, **kw)
-
-
-def _boolean(text: str) -> bool:
-    low = str(text).strip().lower()
-    if low in ("true", "1", "yes"):
-        return True
-    if low in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _float_list(text: str) -> tuple[float, ...]:

@@ -129,3 +129,16 @@ def run_cli(main: Callable[..., int | None], *args, **kwargs) -> int:
             raise
         return report_user_error(e)
     return int(rc or 0)
+
+
+def boolean_flag(text: str) -> bool:
+    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``) -> bool: the ``type`` of the command lines' true/false
+    flags (``retrofit convert``, ``retrofit eval``)."""
+    import argparse
+
+    low = str(text).strip().lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
