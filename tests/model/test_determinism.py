@@ -15,32 +15,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_setup import attention_looped, kernels_used
 
 import retrofit
 import retrofit.model.depth_attention as da
-from retrofit import LoopConfig
 from retrofit.model.attention import depth_key_visibility
-from retrofit.testing import perturb_updater, spread_decider, tiny_base
 
 REPEATS = 10
 ATOL = 2e-5
 
 
 def _looped(method, attention, max_depth=3, impl="sdpa", seed=3, train=False):
-    torch.manual_seed(seed)
-    model = retrofit.convert(
-        tiny_base("llama", seed=seed, attn_implementation=impl),
-        LoopConfig(prelude=1, core=3, max_depth=max_depth, method=method, attention=attention),
-    )
-    with torch.no_grad():  # a non-trivial updater and decider: mixed exits
-        perturb_updater(model, 0.05)
-        if method == "tah2":
-            spread_decider(model, logit_std=2.0)
-        if method == "anira-e":
-            for p in model.halting.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, 3.0 / p.shape[1] ** 0.5)
-    return model.train(train)
+    return attention_looped(method, attention, max_depth, impl=impl, seed=seed, train=train)
 
 
 def _batch(layout, T=24, seed=0):
@@ -95,17 +81,7 @@ def test_training_forward_repeats_exactly(method, attention, layout, kernel, run
     ref_flat, ref = run(ref=True)
     dense_again, _ = run(ref=True)
     assert torch.equal(dense_again, ref_flat)  # the reference itself repeats bitwise
-    used, attend = set(), da.DepthMask.attend
-
-    def spy(self, *a, **k):
-        used.add(self.kernel)
-        return attend(self, *a, **k)
-
-    da.DepthMask.attend = spy
-    try:
-        run(query_chunk=5, chunk_kernel=kernel)
-    finally:
-        da.DepthMask.attend = attend
+    used = kernels_used(model, batch, query_chunk=5, chunk_kernel=kernel)
     assert runs in used
     if method != "fixed":
         depths = ref.depths[real]

@@ -13,32 +13,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_setup import attention_looped, kernels_used
 
 import retrofit
 import retrofit.model.depth_attention as da
 from retrofit import LoopConfig
 from retrofit.model.attention import base_visibility, depth_key_visibility
 from retrofit.model.backends import DepthKVStore
-from retrofit.testing import perturb_updater, spread_decider, tiny_base
+from retrofit.testing import tiny_base
 
 ATOL, G_ATOL, G_RTOL = 2e-5, 1e-5, 1e-4
 
 
 def _looped(method, attention, max_depth, family="llama", impl="sdpa", seed=3):
-    torch.manual_seed(seed)
-    model = retrofit.convert(
-        tiny_base(family, seed=seed, attn_implementation=impl),
-        LoopConfig(prelude=1, core=3, max_depth=max_depth, method=method, attention=attention),
-    ).train()
-    with torch.no_grad():  # a non-trivial updater and mixed exits
-        perturb_updater(model, 0.05)
-        if method == "tah2":
-            spread_decider(model, logit_std=2.0)
-        if method == "anira-e":
-            for p in model.halting.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, 3.0 / p.shape[1] ** 0.5)
-    return model
+    return attention_looped(method, attention, max_depth, family=family, impl=impl, seed=seed)
 
 
 def _batch(layout, T=26, seed=0):
@@ -71,21 +59,7 @@ def _step(model, batch, reference: bool, **kw):
     return out, grads
 
 
-def _kernels_used(model, batch, **kw) -> set[str]:
-    """The ``DepthMask`` kernels a forward runs (depth >= 2)."""
-    used, attend = set(), da.DepthMask.attend
-
-    def spy(self, *a, **k):
-        used.add(self.kernel)
-        return attend(self, *a, **k)
-
-    da.DepthMask.attend = spy
-    try:
-        with torch.no_grad(), da.settings(**kw):
-            model(**batch)
-    finally:
-        da.DepthMask.attend = attend
-    return used
+_kernels_used = kernels_used
 
 
 def _assert_same(model, batch, **kw):
