@@ -110,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="at most this many examples per task, spread over the levels (quick look)",
     )
+    parser.add_argument(
+        "--rows",
+        default=None,
+        metavar="FILE.jsonl",
+        help="score exactly these task rows (one JSON object per line, each with its 'difficulty') instead of "
+        "generating --levels x --n rows; one task only. The main job writes the rows it scored to "
+        "report/test_rows.jsonl, and summary.json's 'reproduce' is the command that scores them again",
+    )
     parser.add_argument("--out", default="retrofit_eval", help="output folder (default ./retrofit_eval)")
     parser.add_argument(
         "--train-levels",
@@ -184,6 +192,26 @@ def add_option_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, *_ALIASES.get(name, []), dest=name, default=f.default, help=help_, **kw)
 
 
+def option_flags(options: EvalOptions) -> list[str]:
+    """The ``retrofit eval`` flags that give ``options`` (the fields that differ from their defaults): the inverse
+    of :func:`add_option_arguments`, so a run that evaluated in code can print the command that evaluates again."""
+    flags = []
+    for f in dataclasses.fields(EvalOptions):
+        value = getattr(options, f.name)
+        if f.name == "progress" or value == f.default:
+            continue
+        if value is None:
+            raise ValueError(f"EvalOptions.{f.name}=None has no flag (its default is {f.default!r})")
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (tuple, list)):
+            text = ",".join(repr(float(v)) for v in value)
+        else:
+            text = str(value)
+        flags += ["--" + f.name.replace("_", "-"), text]
+    return flags
+
+
 def _float_list(text: str) -> tuple[float, ...]:
     """``"0.1,0.5,0.9"`` -> ``(0.1, 0.5, 0.9)``."""
     try:
@@ -218,6 +246,36 @@ def _compare_specs(values: list[str] | None, compare_name: str | None) -> list[t
     return specs
 
 
+def read_rows(path: str) -> list[dict]:
+    """``--rows``: one task row per line (JSON objects with an integer-valued ``difficulty``)."""
+    import json
+
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--rows {path}, line {i}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict) or "difficulty" not in row:
+                raise ValueError(f"--rows {path}, line {i}: a row is a JSON object with a 'difficulty'")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"--rows {path}: no rows")
+    return rows
+
+
+def write_rows(path, rows) -> None:
+    """The rows a run scored, for ``--rows`` (atomic; strict JSON, one row per line)."""
+    import json
+
+    from ..hub.atomic_io import write_text_atomic
+
+    write_text_atomic(path, "".join(json.dumps(r, allow_nan=False, sort_keys=True) + "\n" for r in rows))
+
+
 def _spec_name(spec: str) -> str:
     p = Path(spec)
     return p.stem if p.suffix == ".gguf" else (p.name or spec)
@@ -245,6 +303,13 @@ def run(args: argparse.Namespace) -> int:
 
         for t in tasks:
             get_task(t)
+        rows = None
+        if args.rows is not None:
+            if len(tasks) != 1:
+                raise ValueError(f"--rows scores one task's rows; got --tasks {','.join(tasks)}")
+            if levels is not None or args.limit is not None:
+                raise ValueError("--rows gives the rows: leave out --levels and --limit")
+            rows = {tasks[0]: read_rows(args.rows)}
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         name = args.name or _spec_name(args.model)
         model, tok = _load(args.model, device, args.dtype)
@@ -259,13 +324,14 @@ def run(args: argparse.Namespace) -> int:
             levels=levels,
             n=args.n,
             seed=args.seed,
+            rows=rows,
             out_dir=args.out,
             name=name,
             compare=compare or None,
             limit=args.limit,
             train_levels=train_levels,
             options=options,
-            config={"model": args.model, "compare": args.compare, "device": device},
+            config={"model": args.model, "compare": args.compare, "device": device, "rows": args.rows},
         )
     except (ValueError, OSError) as e:
         print(f"retrofit eval: error: {e}", file=sys.stderr)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,6 +251,29 @@ class ReportInputs:
     timings: dict
     #: the ``--calibrate_stop_share`` result, if any
     calibration: dict | None = None
+    #: the base's checkpoint spec (``--model``) and load dtype: the reproducing command's ``base`` and ``--dtype``
+    base: str | None = None
+    dtype: str | None = None
+
+
+def reproduce_command(inputs: ReportInputs, options, train_levels: list[int], rows_file: Path) -> list[str]:
+    """The ``retrofit eval`` command that scores the saved models on the report's rows with the report's options:
+    it gives the report's numbers again (tests/recipe/test_main_job.py checks it does)."""
+    from ..evaluation.cli import option_flags
+
+    out = inputs.out
+    model = out / ("final-merged" if (out / "final-merged").is_dir() else "final")
+    cmd = ["retrofit", "eval", "--model", str(model), "--name", "looped", "--task", inputs.script.task]
+    cmd += ["--rows", str(rows_file), "--train-levels", ",".join(str(lv) for lv in train_levels)]
+    compare = [f"{c.path}={name}" for name, c in inputs.controls.items()]
+    if inputs.base is not None:
+        compare.append(f"{inputs.base}=base")
+    if compare:
+        cmd += ["--compare", *compare]
+    cmd += option_flags(options)
+    if inputs.dtype not in (None, "float32"):
+        cmd += ["--dtype", inputs.dtype]
+    return [*cmd, "--out", str(out / "reproduce")]
 
 
 def main_job_report(inputs: ReportInputs) -> dict:
@@ -286,6 +310,11 @@ def main_job_report(inputs: ReportInputs) -> dict:
         frontier_random_draws=FRONTIER_RANDOM_DRAWS,
         frontier_rows_per_level=FRONTIER_ROWS_PER_LEVEL,
     )
+    from ..evaluation.cli import write_rows
+
+    rows_file = out / "report" / "test_rows.jsonl"
+    write_rows(rows_file, rows)
+    reproduce = reproduce_command(inputs, opts, train_levels, rows_file)
     t_eval = time.time()
     results = evaluate(
         looped,
@@ -322,6 +351,8 @@ def main_job_report(inputs: ReportInputs) -> dict:
         "models": names,
         "loop": looped.loop.to_dict(),
         "calibration": inputs.calibration,
+        # the command that scores the saved models on the same rows with the same options (numbers equal)
+        "reproduce": shlex.join(reproduce),
         **summarize(results, script.task, train_levels, names),
     }
     summary["targets"] = check_targets(summary)

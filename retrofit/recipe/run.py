@@ -171,6 +171,8 @@ def run_recipe(spec: RecipeSpec, argv=None) -> int:
                     t_start=t_start,
                     timings=timings,
                     calibration=calibration,
+                    base=largs.model,
+                    dtype=largs.dtype,
                 )
             )
     return 0

@@ -9,6 +9,7 @@ artifacts exist.
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,43 @@ def test_main_job_tiny_budget(tmp_path):
     results = json.loads((out / "report" / "results.json").read_text())
     assert set(results["models"]) == {"looped", "sft", "base"}
     assert (out / "report" / "report.md").stat().st_size > 0
+
+    # issue 31: `retrofit eval` gives every number of the report again from the saved models, with the command the
+    # run wrote into summary.json (the same rows, read back from report/test_rows.jsonl, and the same options)
+    cmd = shlex.split(summary["reproduce"])
+    assert cmd[:2] == ["retrofit", "eval"] and "--rows" in cmd and "--frontier" in cmd
+    rerun = subprocess.run(
+        [sys.executable, "-m", "retrofit.cli", *cmd[1:], "--quiet"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-5000:]
+    again = json.loads((out / "reproduce" / "results.json").read_text())
+    ours, theirs = _numbers(results["models"]), _numbers(again["models"])
+    assert len(ours) > 100 and ours.keys() == theirs.keys()
+    differ = {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
+    assert not differ, f"{len(differ)} of {len(ours)} numbers differ, e.g. {list(differ.items())[:5]}"
+    assert _numbers(results["frontier"]) == _numbers(again["frontier"])
+    assert _numbers(results["comparisons"]) == _numbers(again["comparisons"])
+
+
+def _numbers(obj, path="") -> dict:
+    """Every number (and bool) in a results tree by its path; timings are left out (they differ run to run)."""
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if "time" in str(k) or str(k).endswith("_s"):
+                continue
+            out.update(_numbers(v, f"{path}/{k}"))
+        return out
+    if isinstance(obj, list):
+        out = {}
+        for i, item in enumerate(obj):
+            out.update(_numbers(item, f"{path}[{i}]"))
+        return out
+    if isinstance(obj, (int, float)):
+        return {path: obj}
+    return {}
