@@ -183,7 +183,9 @@ def add_option_arguments(parser: argparse.ArgumentParser) -> None:
             for alias in _ALIASES.get(name, []):
                 parser.add_argument(alias, dest=name, action="store_false", help=f"{flag} false")
             continue
-        if typing.get_origin(kind) is tuple:
+        if typing.get_origin(kind) is tuple and typing.get_args(kind)[0] is int:
+            kw = dict(type=_positive_int_list, metavar="N1,N2,...")
+        elif typing.get_origin(kind) is tuple:
             kw = dict(type=_float_list, metavar="X1,X2,...")
         else:
             kw = dict(type=kind if kind in (int, float, str) else str)
@@ -205,11 +207,19 @@ def option_flags(options: EvalOptions) -> list[str]:
         if isinstance(value, bool):
             text = "true" if value else "false"
         elif isinstance(value, (tuple, list)):
-            text = ",".join(repr(float(v)) for v in value)
+            text = ",".join(str(v) if isinstance(v, int) else repr(float(v)) for v in value)
         else:
             text = str(value)
         flags += ["--" + f.name.replace("_", "-"), text]
     return flags
+
+
+def _positive_int_list(text: str) -> tuple[int, ...]:
+    """``"16,32,64"`` -> ``(16, 32, 64)``."""
+    try:
+        return tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 16,32,64, got {text!r}") from None
 
 
 def _float_list(text: str) -> tuple[float, ...]:

@@ -135,6 +135,14 @@ class EvalOptions:
         "frontier's passes dominate its cost: cap them here; the rest of the evaluation keeps every row.",
         None,
     )
+    length_cutoffs: tuple[int, ...] | None = _help(
+        "Output-length budgets in generated tokens, increasing (accuracy='generate' only): accuracy at each "
+        "cutoff against decode FLOPs per row, and its slope per doubling of FLOPs (TaH2's measure for long "
+        "answers), all from the one generation (greedy decoding is prefix-consistent; "
+        "retrofit/evaluation/length_cutoffs.py). Each must be at most the generation budget (max_new_tokens). "
+        "None = not measured.",
+        None,
+    )
     html_samples: int = _help("Generations per level shown in samples.html.", 2)
     progress: bool = _help("Show progress bars.", True)
     backend: str = _help(
@@ -202,6 +210,20 @@ class EvalOptions:
         ):
             raise ValueError(f"frontier_random_draws must be an int >= 0, got {self.frontier_random_draws!r}")
         positive_int("frontier_rows_per_level", self.frontier_rows_per_level, allow_none=True)
+        if self.length_cutoffs is not None:
+            cuts = self.length_cutoffs
+            if (
+                not isinstance(cuts, (list, tuple))
+                or not cuts
+                or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in cuts)
+                or list(cuts) != sorted(set(cuts))
+            ):
+                raise ValueError(f"length_cutoffs must be increasing positive ints such as (16, 32, 64), got {cuts!r}")
+            if self.accuracy != "generate":
+                raise ValueError(
+                    f"length_cutoffs scores generations: it needs accuracy='generate', got accuracy={self.accuracy!r}"
+                )
+            self.length_cutoffs = tuple(cuts)
         if self.difficulty_reference is not None and not isinstance(self.difficulty_reference, str):
             raise ValueError(f"difficulty_reference must be a model name or None, got {self.difficulty_reference!r}")
 

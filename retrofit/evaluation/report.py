@@ -116,6 +116,7 @@ from .report_sections import (
     _comparisons_section,
     _correlation_section,
     _frontier_section,
+    _length_section,
     _levels_table,
     _loss_change_section,
     _policies_table,
@@ -179,6 +180,7 @@ def write_markdown_report(
             + _policies_table(task, models)
             + _correlation_section(task, models)
             + _loss_change_section(task, models)
+            + _length_section(task, models)
             + _frontier_section(task, results)
         )
         lines += [f"## Task: {task}", ""] + (body or ["_No results for this task._", ""])

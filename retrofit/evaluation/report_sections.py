@@ -247,6 +247,34 @@ def _token_difficulty_section(task: str, models: dict[str, Mapping[str, Any]]) -
     )
 
 
+def _length_section(task: str, models: dict[str, Mapping[str, Any]]) -> list[str]:
+    """Accuracy at each output-length cutoff against decode FLOPs per row, and the slope per doubling."""
+    rows = []
+    for name, m in models.items():
+        lc = _get(_task(m, task), "length_cutoffs")
+        if not isinstance(lc, Mapping):
+            continue
+        for p in lc.get("points", []):
+            rows.append(
+                [
+                    str(name),
+                    _int(p.get("cutoff")),
+                    _pct(p.get("accuracy")) + _interval(p.get("accuracy_ci"), None),
+                    _fmt(p.get("mean_tokens"), 1),
+                    _fmt(p.get("mean_depth")),
+                    _mflops(p.get("decode_flops_per_row")),
+                    _pct(p.get("stopped")),
+                ]
+            )
+        slope = lc.get("slope_per_doubling")
+        per_doubling = "–" if slope is None else f"{100 * slope:+.1f} points per doubling"
+        rows.append([str(name), "slope", per_doubling, "", "", "", ""])
+    if not rows:
+        return []
+    header = ["model", "cutoff (tokens)", "accuracy", "tokens run", "d̄", "decode MFLOPs / row", "stopped"]
+    return ["### Accuracy by output length (one greedy generation, cut)", ""] + _table(header, rows, 2)
+
+
 def _frontier_section(task: str, results: Mapping[str, Any]) -> list[str]:
     """The accuracy–compute frontier: every point, decider vs random and vs the oracle, the ceiling, gain per decile,
     break-even, fixed control."""

@@ -35,6 +35,7 @@ import numpy as np
 
 from .decoding import greedy_generate, stop_ids, stop_rule
 from .frontier import FrontierArrays, model_frontier
+from .length_cutoffs import length_cutoff_curve
 from .metrics import loss_change_stats
 from .models import flops_per_token, model_info, pad_id
 from .options import DEFAULT_N, EvalOptions, resolve_options
@@ -186,6 +187,11 @@ def _evaluate_task(
     examples = prepare(rows, tokenizer, opts)
     notes: list[str] = []
     max_new = opts.max_new_tokens or max(len(e.answer_ids) for e in examples) + 2
+    if opts.length_cutoffs and max(opts.length_cutoffs) > max_new:
+        raise ValueError(
+            f"length_cutoffs go up to {max(opts.length_cutoffs)} tokens but the generation budget of "
+            f"{name}/{task.name} is {max_new}: set max_new_tokens >= {max(opts.length_cutoffs)}"
+        )
     prompts = [e.prompt_ids for e in examples]
     tag = f"{name}/{task.name}"
     levels_sorted = sorted({e.level for e in examples})
@@ -272,6 +278,16 @@ def _evaluate_task(
     is_train = np.array([split_of(e.level, train) == "train" for e in examples], dtype=bool)
     result["splits"] = split_table(examples, correct, is_train, train, opts.confidence)
     overall = result["overall"] = overall_entry(model, info, examples, tf, correct, steps, opts.confidence)
+    if opts.length_cutoffs:
+        per_step = {d: flops_per_token(model, info, [d]) for d in range(1, D + 1)} if info.looped else None
+        result["length_cutoffs"] = length_cutoff_curve(
+            gens,
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            lambda i, text: task.score(text, examples[i].row["answer"], prompt=examples[i].row["prompt"]),
+            opts.length_cutoffs,
+            per_step or {1: flops_per_token(model, info, [])},
+            opts.confidence,
+        )
 
     # --- forced depths (test-time scaling) -------------------------------------------------------
     by_depth = None
