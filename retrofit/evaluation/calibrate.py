@@ -36,7 +36,7 @@ import torch
 
 from retrofit.model import registry
 
-from .models import ModelInfo, batches, device, forward, model_info, pad_id, progress_bar
+from .models import ModelInfo, device, forward, model_info, pad_id
 from .options import EvalOptions
 from .rows import Example
 
@@ -123,17 +123,16 @@ def first_decisions(model, examples: Sequence[Example], pad: int, batch_size: in
     Returns:
         ``[n]`` float64 over the answer steps, rows in order.
     """
-    from .teacher_forced import tf_batch
+    from .teacher_forced import tf_passes
 
     info = model_info(model)
     if not info.has_decider:
         raise ValueError("this model has no decider (a plain model or the fixed loop): nothing to place")
     dev = device(model)
     parts = []
-    order = list(range(len(examples)))
-    for chunk in progress_bar(list(batches(order, batch_size)), progress, desc="decider decisions", unit="batch"):
-        exs = [examples[i] for i in chunk]
-        ids, mask, starts = tf_batch(exs, pad, dev)
+    for _, _, exs, ids, mask, starts, _ in tf_passes(
+        examples, pad, dev, batch_size, progress=progress, desc="decider decisions", order="input"
+    ):
         out = forward(model, info, ids, mask)
         c = continue_probabilities(out, info)[..., 0]  # [B, T]
         steps = answer_steps_mask(starts, [len(e.answer_ids) for e in exs], ids.shape[1], dev)

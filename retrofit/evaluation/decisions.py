@@ -11,10 +11,10 @@ import torch
 
 from .calibrate import answer_steps_mask, continue_probabilities
 from .decider_metrics import decider_decisions
-from .models import ModelInfo, batches, device, forward, progress_bar
+from .models import ModelInfo, device, forward
 from .options import EvalOptions
 from .rows import Example
-from .teacher_forced import _length_order, tf_batch
+from .teacher_forced import tf_passes
 
 
 def batch_seed(draw: int, batch: int) -> int:
@@ -59,11 +59,9 @@ def decision_gains(model, info: ModelInfo, examples: list[Example], pad: int, op
     """
     dev = device(model)
     parts: list[dict[str, np.ndarray]] = []
-    for chunk in progress_bar(
-        list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
+    for _, _, exs, ids, mask, starts, _ in tf_passes(
+        examples, pad, dev, opts.batch_size, progress=opts.progress, desc=desc
     ):
-        exs = [examples[i] for i in chunk]
-        ids, mask, starts = tf_batch(exs, pad, dev)
         labels = torch.full_like(ids, -100)
         for r, (e, s) in enumerate(zip(exs, starts)):
             labels[r, s : s + len(e.answer_ids)] = torch.as_tensor(e.answer_ids, device=dev)

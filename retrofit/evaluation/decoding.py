@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .models import ModelInfo, batches, device, forward, model_info, pad_id, pad_left, progress_bar
+from .models import ModelInfo, batched_passes, device, forward, model_info, pad_id
 from .options import DEFAULT_BATCH_SIZE, GENERATION_BACKENDS
 
 __all__ = ["greedy_generate", "stop_ids", "stop_rule"]
@@ -111,10 +111,8 @@ def greedy_generate(
             kw["depth"] = int(depth)
         if exit_policy is not None:
             kw.update(exit_policy=exit_policy, exit_threshold=exit_threshold)
-    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     results: list[dict[str, Any] | None] = [None] * len(prompts)
-    for chunk in progress_bar(list(batches(order, batch_size)), progress, desc=desc, unit="batch"):
-        ids, mask = pad_left([prompts[i] for i in chunk], pad, dev)
+    for _, chunk, ids, mask in batched_passes(prompts, pad, dev, batch_size, progress=progress, desc=desc):
         P = ids.shape[1]
         if backend == "generate":
             gen, gen_depths, ids, mask = _decode_with_generate(

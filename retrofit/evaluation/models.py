@@ -6,7 +6,7 @@ plain causal LM evaluated at its only depth (``max_depth`` 1).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +115,48 @@ def batches(order: Sequence[int], size: int):
     """Consecutive chunks of ``order`` of at most ``size`` indices."""
     for i in range(0, len(order), size):
         yield list(order[i : i + size])
+
+
+def pass_chunks(lengths: Sequence[int], batch_size: int, order: str = "length") -> list[list[int]]:
+    """The row indices of each batch of :func:`batched_passes` (before any ``max_rows`` split)."""
+    if order not in ("length", "input"):
+        raise ValueError(f"order must be 'length' or 'input', got {order!r}")
+    idx = list(range(len(lengths)))
+    if order == "length":
+        idx.sort(key=lambda i: (lengths[i], i))
+    return list(batches(idx, batch_size))
+
+
+def batched_passes(
+    seqs: Sequence[Sequence[int]],
+    pad: int,
+    dev,
+    batch_size: int,
+    *,
+    progress: bool = False,
+    desc: str = "",
+    order: str = "length",
+    max_rows: Callable[[list[int]], int] | None = None,
+):
+    """The evaluation's one pass runner: every measurement's forwards go through it (teacher-forced passes,
+    greedy decoding, decider decisions, the frontier's and the oracle's passes).
+
+    Batches ``seqs`` (``order="length"``: shortest first, ties in input order, so a batch pads little;
+    ``"input"``: as given), left-pads each batch and shows one progress bar. ``max_rows(indices)`` may split a
+    batch into parts of at most that many rows (a memory budget that depends on the batch's lengths).
+
+    Yields:
+        ``(batch index, row indices, ids [B, T], mask [B, T])``, batches numbered in the order they run.
+    """
+    b = 0
+    chunks = pass_chunks([len(q) for q in seqs], batch_size, order)
+    for chunk in progress_bar(chunks, progress, desc=desc, unit="batch"):
+        step = len(chunk) if max_rows is None else max(1, int(max_rows(chunk)))
+        for j in range(0, len(chunk), step):
+            part = chunk[j : j + step]
+            ids, mask = pad_left([seqs[i] for i in part], pad, dev)
+            yield b, part, ids, mask
+            b += 1
 
 
 def progress_bar(iterable, enabled: bool, **kw):

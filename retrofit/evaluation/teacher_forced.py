@@ -28,18 +28,27 @@ tokens (none does). The depths of the steps that would produce ``gold + stop`` a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from . import analysis as A
-from .models import ModelInfo, batches, device, forward, progress_bar
+from .models import ModelInfo, batched_passes, device, forward, pass_chunks
 from .options import EvalOptions
 from .rows import Example
 
-__all__ = ["argmax_pass", "batch_chunks", "forced_depths_argmax", "policy_pass", "teacher_forced", "tf_batch"]
+__all__ = [
+    "TFBatch",
+    "argmax_pass",
+    "batch_chunks",
+    "forced_depths_argmax",
+    "policy_pass",
+    "teacher_forced",
+    "tf_batch",
+    "tf_passes",
+]
 
 # Upper bound for the [D, B, T, V] per-depth logits of one forced-depth forward.
 _DEPTH_LOGITS_BUDGET = 512 * 2**20
@@ -71,14 +80,46 @@ def tf_batch(examples: Sequence[Example], pad: int, dev):
     return ids, mask, starts
 
 
-def _length_order(examples: Sequence[Example]) -> list[int]:
-    return sorted(range(len(examples)), key=lambda i: len(examples[i].prompt_ids) + len(examples[i].answer_ids))
+class TFBatch(NamedTuple):
+    """One batch of a teacher-forced pass (:func:`tf_passes`)."""
+
+    index: int  #: batch number, in the order the batches run
+    rows: list[int]  #: the example indices of its rows
+    examples: list[Example]
+    ids: torch.Tensor  #: [B, T] left-padded prompt + answer
+    mask: torch.Tensor
+    starts: list[int]  #: row r's answer token 0 is at position starts[r]
+    keep: int  #: positions whose logits the pass reads (:func:`_logits_kept`)
+
+
+def tf_passes(
+    examples: Sequence[Example],
+    pad: int,
+    dev,
+    batch_size: int,
+    *,
+    progress: bool = False,
+    desc: str = "",
+    order: str = "length",
+    max_rows: Callable[[list[int]], int] | None = None,
+) -> Iterator[TFBatch]:
+    """The pass runner (:func:`~.models.batched_passes`) over ``prompt + gold answer``: every teacher-forced
+    measurement iterates these batches (the same rows in the same batches for a given batch size)."""
+    seqs = [e.prompt_ids + e.answer_ids for e in examples]
+    for b, rows, ids, mask in batched_passes(
+        seqs, pad, dev, batch_size, progress=progress, desc=desc, order=order, max_rows=max_rows
+    ):
+        exs = [examples[i] for i in rows]
+        T = ids.shape[1]
+        starts = [T - len(seqs[i]) + len(e.prompt_ids) for i, e in zip(rows, exs)]
+        yield TFBatch(b, rows, exs, ids, mask, starts, _logits_kept(exs))
 
 
 def batch_chunks(examples: Sequence[Example], batch_size: int) -> list[list[int]]:
-    """The example indices of each batch, in the order :func:`argmax_pass` runs them (by length): batch ``b`` of
-    its ``policy_for_batch(b, ...)`` hook holds ``examples[i]`` for ``i`` in ``batch_chunks(...)[b]``."""
-    return list(batches(_length_order(examples), batch_size))
+    """The example indices of each batch, in the order :func:`tf_passes` runs them: batch ``b`` of
+    :func:`argmax_pass`'s ``policy_for_batch(b, ...)`` hook holds ``examples[i]`` for ``i`` in
+    ``batch_chunks(...)[b]``."""
+    return pass_chunks([len(e.prompt_ids) + len(e.answer_ids) for e in examples], batch_size)
 
 
 @torch.no_grad()
@@ -104,12 +145,9 @@ def teacher_forced(
     dev = device(model)
     D = info.max_depth
     res: list[dict[str, np.ndarray] | None] = [None] * len(examples)
-    for chunk in progress_bar(
-        list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
+    for _, chunk, exs, ids, mask, starts, keep in tf_passes(
+        examples, pad, dev, opts.batch_size, progress=opts.progress, desc=desc
     ):
-        exs = [examples[i] for i in chunk]
-        ids, mask, starts = tf_batch(exs, pad, dev)
-        keep = _logits_kept(exs)
         out = forward(model, info, ids, mask, logits_to_keep=keep)
         logits = out.logits.float()  # [B, keep, V]: positions T - keep .. T - 1
         off = ids.shape[1] - keep
@@ -182,12 +220,9 @@ def policy_pass(model, info: ModelInfo, examples, pad, opts: EvalOptions, policy
     """Teacher-forced forward with an engine exit policy: per example ``(depth [m], correct [m])``."""
     dev = device(model)
     out_list: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(examples)
-    for chunk in progress_bar(
-        list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
+    for _, chunk, exs, ids, mask, starts, keep in tf_passes(
+        examples, pad, dev, opts.batch_size, progress=opts.progress, desc=desc
     ):
-        exs = [examples[i] for i in chunk]
-        ids, mask, starts = tf_batch(exs, pad, dev)
-        keep = _logits_kept(exs)
         out = forward(model, info, ids, mask, exit_policy=policy, exit_threshold=threshold, logits_to_keep=keep)
         off = ids.shape[1] - keep
         for r, (i, e) in enumerate(zip(chunk, exs)):
@@ -231,12 +266,9 @@ def argmax_pass(
     """
     dev = device(model)
     res: list[dict[str, Any] | None] = [None] * len(examples)
-    for b, chunk in enumerate(
-        progress_bar(batch_chunks(examples, opts.batch_size), opts.progress, desc=desc, unit="batch")
+    for b, chunk, exs, ids, mask, starts, keep in tf_passes(
+        examples, pad, dev, opts.batch_size, progress=opts.progress, desc=desc
     ):
-        exs = [examples[i] for i in chunk]
-        ids, mask, starts = tf_batch(exs, pad, dev)
-        keep = _logits_kept(exs)
         kw = forward_kw
         if policy_for_batch is not None:
             kw = {
@@ -284,33 +316,31 @@ def forced_depths_argmax(
     D = info.max_depth
     eos = torch.as_tensor(sorted(stop_ids), dtype=torch.long, device=dev)
     res: dict[int, list] = {d: [None] * len(examples) for d in range(1, D + 1)}
-    for chunk in progress_bar(
-        list(batches(_length_order(examples), opts.batch_size)), opts.progress, desc=desc, unit="batch"
-    ):
-        keep = _logits_kept([examples[i] for i in chunk])
+
+    def max_rows(chunk: list[int]) -> int:
         # the [D, b, keep, V] depth logits stay under the budget: split the batch if they would not
-        sub = max(1, int(_DEPTH_LOGITS_BUDGET // max(1, D * keep * model.config.vocab_size * 4)))
-        for j in range(0, len(chunk), sub):
-            part = chunk[j : j + sub]
-            exs = [examples[i] for i in part]
-            ids, mask, starts = tf_batch(exs, pad, dev)
-            k = _logits_kept(exs)
-            out = forward(model, info, ids, mask, logits_to_keep=k, depth=D, output_depth_logits=True)
-            tops = out.depth_logits.argmax(-1)  # [D, b, k]: positions T - k .. T - 1
-            off = ids.shape[1] - k
-            for d in range(1, D + 1):
-                depths = torch.full_like(out.depths, d)
-                lp = out.depth_logits[d - 1].float().log_softmax(-1)  # [b, k, V]
-                for r, (i, e) in enumerate(zip(part, exs)):
-                    row = _argmax_row(tops[d - 1, r], off, depths[r], e, starts[r], is_stop, max_new_tokens)
-                    m = len(e.answer_ids)
-                    steps = torch.arange(m + 1, device=dev) + starts[r] - 1 - off
-                    gold = torch.as_tensor(e.answer_ids, device=dev, dtype=torch.long)
-                    nll = -lp[r, steps[:m]].gather(-1, gold[:, None])[:, 0]
-                    stop_nll = -lp[r, steps[m], eos].logsumexp(0) if eos.numel() else lp.new_tensor(float("nan"))
-                    row["step_nll"] = torch.cat([nll, stop_nll.reshape(1)]).cpu().numpy()
-                    row["step_correct"] = np.append(row["token_correct"], is_stop(int(tops[d - 1, r, steps[m]])))
-                    res[d][i] = row
+        keep = _logits_kept([examples[i] for i in chunk])
+        return int(_DEPTH_LOGITS_BUDGET // max(1, D * keep * model.config.vocab_size * 4))
+
+    for _, part, exs, ids, mask, starts, k in tf_passes(
+        examples, pad, dev, opts.batch_size, progress=opts.progress, desc=desc, max_rows=max_rows
+    ):
+        out = forward(model, info, ids, mask, logits_to_keep=k, depth=D, output_depth_logits=True)
+        tops = out.depth_logits.argmax(-1)  # [D, b, k]: positions T - k .. T - 1
+        off = ids.shape[1] - k
+        for d in range(1, D + 1):
+            depths = torch.full_like(out.depths, d)
+            lp = out.depth_logits[d - 1].float().log_softmax(-1)  # [b, k, V]
+            for r, (i, e) in enumerate(zip(part, exs)):
+                row = _argmax_row(tops[d - 1, r], off, depths[r], e, starts[r], is_stop, max_new_tokens)
+                m = len(e.answer_ids)
+                steps = torch.arange(m + 1, device=dev) + starts[r] - 1 - off
+                gold = torch.as_tensor(e.answer_ids, device=dev, dtype=torch.long)
+                nll = -lp[r, steps[:m]].gather(-1, gold[:, None])[:, 0]
+                stop_nll = -lp[r, steps[m], eos].logsumexp(0) if eos.numel() else lp.new_tensor(float("nan"))
+                row["step_nll"] = torch.cat([nll, stop_nll.reshape(1)]).cpu().numpy()
+                row["step_correct"] = np.append(row["token_correct"], is_stop(int(tops[d - 1, r, steps[m]])))
+                res[d][i] = row
     return res
 
 
