@@ -30,18 +30,20 @@ from ..model import registry
 
 logger = logging.getLogger(__name__)
 
-#: The frontier's size in the main job (``EvalOptions``): its passes run on the first
-#: ``FRONTIER_ROWS_PER_LEVEL`` test rows of each level. Cost (TaH2, own τ = 0.5 inside the sweep):
-#: 4 threshold passes + 5 × ``FRONTIER_RANDOM_DRAWS`` random passes (fewer where a threshold sends every answer
-#: step to depth 1) + 6 oracle and ceiling passes + 1 gain pass, each ~0.12 s per row on 2 CPU cores (one adaptive
-#: pass over 400 rows ~50 s).
+#: The frontier's size in the main job (``EvalOptions``), the same as the default study's test trials
+#: (recipes/studies/main.yaml): its passes run on the first ``FRONTIER_ROWS_PER_LEVEL`` test rows of each level,
+#: the decider placed by compute at three stop shares (d̄ 1.5 / 1.3 / 1.1 at M = 2; 0.9 is under this split's
+#: break-even d̄ 1.15, the point comparable with the fixed loop), two random draws at each of the 4 decider
+#: points (its own threshold included), the oracle at each and the ceiling: 3 + 8 + 4 + 1 + 1 passes, each
+#: ~0.12 s per row on 2 AMD EPYC cores (the five shares and three draws of before cost 5 + 18 + 6 + 1 + 1 passes,
+#: ~170 s more on that machine: issue 31's 20-minute budget).
 FRONTIER_ROWS_PER_LEVEL = 25
 FRONTIER_THRESHOLDS = (0.1, 0.3, 0.5, 0.7, 0.9)
 #: ... placed by compute (evaluation/calibrate.py): the thresholds at which these shares of the decider's first
 #: decisions on the frontier rows stop after depth 1 (a trained decider's probabilities can sit in a band a few
 #: hundredths wide, where the fixed thresholds above all land at d̄ = 1 or M); replaces FRONTIER_THRESHOLDS
-FRONTIER_STOP_SHARES = (0.1, 0.3, 0.5, 0.7, 0.9)
-FRONTIER_RANDOM_DRAWS = 3
+FRONTIER_STOP_SHARES = (0.5, 0.7, 0.9)
+FRONTIER_RANDOM_DRAWS = 2
 
 #: The main job's claims (issues 15 and 24): each is checked on the run's own test rows and reported as met or not.
 TARGETS = {

@@ -561,14 +561,14 @@ def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
         assert (p["mean_depth"] is None) == (p["policy"] == "plain")
     # the main job places its sweep by compute (FRONTIER_STOP_SHARES): one decider point per stop share
     swept = [p for p in on_disk["frontier"] if p["policy"] == "decider" and not p["own"]]
-    assert sorted(p["stop_share"] for p in swept) == [0.1, 0.3, 0.5, 0.7, 0.9]
+    assert sorted(p["stop_share"] for p in swept) == [0.5, 0.7, 0.9]
     assert sorted(p["mean_depth"] for p in swept) == [
         p["mean_depth"] for p in sorted(swept, key=lambda p: -p["stop_share"])
     ]
     keys = {p["key"].split(":", 1)[1] for p in swept}
     assert set(on_disk["decider_vs_random"]) == {"own"} | keys
     for t in on_disk["decider_vs_random"].values():
-        assert t["draws"] == 3 and len(t["per_draw"]) == 3 and 0.0 <= t["sign_flip_p"] <= 1.0
+        assert t["draws"] == 2 and len(t["per_draw"]) == 2 and 0.0 <= t["sign_flip_p"] <= 1.0
     # the oracle at every decider point, on the same rows as random allocation; the ceiling beside it
     assert set(on_disk["decider_vs_oracle"]) == set(on_disk["decider_vs_random"])
     for k, t in on_disk["decider_vs_oracle"].items():
