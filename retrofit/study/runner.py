@@ -42,8 +42,9 @@ def tuning_trials(cfg: StudyConfig) -> list[Trial]:
 
 
 def test_trials(cfg: StudyConfig, choices: dict[str, dict]) -> list[Trial]:
-    """Every arm at its chosen learning rate, at every test seed (test rows)."""
-    return [Trial("test", a.name, choices[a.name]["chosen_lr"], s) for a in cfg.arms for s in cfg.test_seeds]
+    """Every arm at its chosen learning rate, at every test seed (test rows), seed by seed: a study stopped early
+    holds whole seeds (every arm at seeds 1..k), which a config listing those seeds reads as a smaller study."""
+    return [Trial("test", a.name, choices[a.name]["chosen_lr"], s) for s in cfg.test_seeds for a in cfg.arms]
 
 
 class Study:
