@@ -5,6 +5,7 @@ learning rate with several seeds, and report the effects per seed and across see
 
     retrofit study recipes/studies/main.yaml --out docs/studies/main     # run, or resume after a kill
     retrofit study recipes/studies/main.yaml --dry-run                   # which trials are done, which would run
+    retrofit study recipes/studies/main.yaml --finished-only             # the report of the finished trials only
 """
 
 from __future__ import annotations
@@ -28,17 +29,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "keep jobs x threads at or below the cores).",
     )
     p.add_argument("--dry-run", action="store_true", help="Print which trials are done and which would run; run none.")
+    p.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="Run nothing: write study.json, study.md and the plot from the finished trials (the tuning complete; "
+        "the test seeds at which every arm has finished, with a warning when that is fewer than the config lists).",
+    )
     p.add_argument("--quiet", action="store_true", help="No progress bars.")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..study.runner import plan, run_study
+    from ..study.runner import plan, report_finished, run_study
 
     if args.dry_run:
         for trial, state in plan(args.config, args.out):
             print(f"{state:>13}  {trial}")
         return 0
-    study = run_study(args.config, args.out, jobs=args.jobs, progress=not args.quiet)
+    if args.finished_only:
+        study = report_finished(args.config, args.out)
+    else:
+        study = run_study(args.config, args.out, jobs=args.jobs, progress=not args.quiet)
     for key, c in study["claims"].items():
         print(f"[{'met' if c['met'] else 'NOT met'}] {key}: {c['claim']}")
     return 0

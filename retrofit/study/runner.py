@@ -141,6 +141,42 @@ def run_study(
     return write_study(cfg, study.out, choices, results)
 
 
+def report_finished(config: str | Path, out: str | Path | None = None) -> dict[str, Any]:
+    """``--finished-only``: write study.json, study.md and the plot from the trials that have finished, running
+    none: the tuning must be complete; the test seeds are those at which every arm has finished (trials run seed
+    by seed, so a study stopped early has whole seeds). With fewer seeds than the config lists, study.json and
+    study.md carry a warning that says so; rerunning the study without the flag runs the rest."""
+    import dataclasses
+
+    cfg = load_study(config)
+    check_arms(cfg)
+    study = Study(cfg, Path(out) if out is not None else default_out(cfg), progress=False)
+    tuned = {t: study.result(t) for t in tuning_trials(cfg)}
+    missing = [t.id for t, r in tuned.items() if r is None]
+    if missing:
+        raise RetrofitUserError(
+            f"--finished-only needs every tuning trial finished; still to run: {', '.join(missing)}"
+        )
+    choices = A.choose(cfg, tuned)
+    results: dict[Trial, dict] = dict(tuned)
+    seeds = []
+    for seed in cfg.test_seeds:
+        done = {t: study.result(t) for t in test_trials(cfg, choices) if t.seed == seed}
+        if all(done.values()):
+            seeds.append(seed)
+            results.update(done)
+    if not seeds:
+        raise RetrofitUserError("--finished-only: no test seed has finished for every arm yet")
+    if len(seeds) < len(cfg.test_seeds):
+        rest = [s for s in cfg.test_seeds if s not in seeds]
+        note = (
+            f"partial: test seeds {', '.join(map(str, seeds))} of {', '.join(map(str, cfg.test_seeds))} have "
+            f"finished for every arm (seed(s) {', '.join(map(str, rest))} still to run); this report covers those"
+        )
+        cfg = dataclasses.replace(cfg, test_seeds=tuple(seeds), warnings=(*cfg.warnings, note))
+    return write_study(cfg, study.out, choices, results)
+
+
 def plan(config: str | Path, out: str | Path | None = None) -> list[tuple[str, str]]:
     """``--dry-run``: ``[(trial id or phase, state)]``: which trials are done, which would run next."""
     cfg = load_study(config)

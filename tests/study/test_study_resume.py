@@ -291,3 +291,31 @@ def test_a_killed_process_resumes_with_two_jobs_to_the_same_study_json(reference
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "study.json").read_text() == text
+
+
+def test_finished_only_reports_the_whole_seeds_that_have_finished(reference, tmp_path):
+    """``--finished-only`` runs nothing: with every trial there it writes the study's own study.json; with the last
+    seed missing for one arm it reports the first seed alone, says so, and gives that seed's figures; without the
+    tuning it refuses."""
+    from retrofit.model.errors import RetrofitUserError
+
+    out, text, study = reference
+    cfg = write_study(tmp_path / "cfg")
+    whole = tmp_path / "whole"
+    shutil.copytree(out / "trials", whole / "trials")
+    R.report_finished(cfg, whole)
+    assert (whole / "study.json").read_text() == text
+
+    part = tmp_path / "part"
+    shutil.copytree(out / "trials", part / "trials")
+    lr = study["tuning"]["arms"]["tah2"]["chosen_lr"]
+    shutil.rmtree(part / "trials" / f"test-tah2-lr{lr:.3g}-s2")
+    got = R.report_finished(cfg, part)
+    assert got["testing"]["seeds"] == [1] and any("partial" in w for w in got["warnings"])
+    assert "partial" in (part / "study.md").read_text()
+    for arm, a in got["testing"]["arms"].items():
+        assert a["per_seed"] == study["testing"]["arms"][arm]["per_seed"][:1]
+
+    (none := tmp_path / "none").mkdir()
+    with pytest.raises(RetrofitUserError, match="needs every tuning trial finished"):
+        R.report_finished(cfg, none)
