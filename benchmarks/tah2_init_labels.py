@@ -38,10 +38,10 @@ def main() -> None:
         labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
         with torch.no_grad():
             res = model(**enc, labels=labels, output_depth_losses=True)
-        lab = lookahead_labels(res.depth_nll, next_token_mask(labels), model.loop.rho)
+        lab = lookahead_labels(res.depth_nll, next_token_mask(labels), model.loop.method_options.rho)
         delta = lab.delta[lab.decided]
         cont = lab.labels.bool() & lab.decided
-        w = lab.weights.clamp(min=model.loop.cost_min, max=model.loop.cost_max)[cont]
+        w = lab.weights.clamp(min=model.loop.method_options.cost_min, max=model.loop.method_options.cost_max)[cont]
         out[updater] = {
             "max_abs_gain": float(delta.abs().max()),
             "decisions": int(lab.decided.sum()),

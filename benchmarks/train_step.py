@@ -38,7 +38,6 @@ import torch  # noqa: E402
 
 import retrofit  # noqa: E402
 from retrofit.cli.params import REAL_SHAPES  # noqa: E402
-from retrofit.model.halting.base import LossConfig  # noqa: E402
 from retrofit.testing import spread_decider  # noqa: E402
 
 # SmolLM2-135M's shapes (a Llama: 30 layers, hidden 576, vocab 49152), as `retrofit params` counts them
@@ -56,9 +55,9 @@ def base_model(spec: str, layers: int | None):
     return model
 
 
-def make_step(model, cfg: LossConfig, labelled_only: bool = True):
+def make_step(model, labelled_only: bool = True):
+    """One AdamW step; the model computes its method's auxiliary loss itself (its options' defaults)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    model.config.loop = {**model.config.loop, **vars(cfg)}  # the model computes its auxiliary loss itself
 
     def step(ids, labels):
         out = model(input_ids=ids, labels=labels, labelled_logits_only=labelled_only)
@@ -105,7 +104,6 @@ def main() -> None:
     ids = torch.randint(4, V, (args.batch, args.seq), generator=g).to(device)
     labels = ids.clone()
     labels[:, : args.seq // 4] = -100  # a prompt, as in SFT
-    cfg = LossConfig()
 
     runs = {}
     for name, method in [("fixed", "fixed"), ("tah2", "tah2"), ("tah2_mixed", "tah2")]:
@@ -115,7 +113,7 @@ def main() -> None:
         if name == "tah2_mixed":
             with torch.no_grad():  # continue logit ≈ N(0, 1): about half the tokens exit at depth 1
                 spread_decider(model, logit_std=1.0)
-        runs[name] = {"step": make_step(model, cfg, not args.full_logits), "times": [], "cpu": [], "mean_depth": []}
+        runs[name] = {"step": make_step(model, not args.full_logits), "times": [], "cpu": [], "mean_depth": []}
 
     order = list(runs)
     for r in range(args.warmup + args.steps):

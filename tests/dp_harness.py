@@ -105,7 +105,9 @@ def build_model(name: str, fixed_graph: bool):
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        cfg = retrofit.LoopConfig(**LOOP, **{**METHODS, **EXTRA_METHODS}[name], fixed_graph=fixed_graph)
+        cfg = retrofit.LoopConfig.from_fields(
+            dict(**LOOP, **{**METHODS, **EXTRA_METHODS}[name], fixed_graph=fixed_graph)
+        )
         model = retrofit.convert(tiny_base("llama", seed=0), cfg)
     if cfg.method == "tah2":
         with torch.no_grad():
@@ -181,7 +183,7 @@ def _trainer_class():
             if "continue_label_rate" in metrics:
                 metrics["positives"] = metrics["continue_label_rate"] * metrics["decisions"]
             per_item = num_items_in_batch is not None and self._looped.halting.aux_loss_per_item(
-                self._looped.loop.loss_config
+                self._looped.loop.method_options
             )
             mine = {
                 "aux_per_item": bool(per_item),

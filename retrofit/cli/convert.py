@@ -185,7 +185,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         hint = typing.get_type_hints(registry.method_class(owners[0]).Options)[name]
         p.add_argument(
             "--" + name.replace("_", "-"),
-            type=hint if hint in (int, float, str) else str,
+            type=_scalar(hint),
             default=None,
             help=f"{' / '.join(owners)}: {f.metadata.get('help') or 'a method option'} (default: the method's)",
         )

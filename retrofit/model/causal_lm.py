@@ -440,13 +440,14 @@ class LoopedForCausalLM(PreTrainedModel):
                 aux = AuxLoss(torch.full((), float("nan"), device=out.loss.device), {})
             elif want_aux:
                 n_items = loss_kwargs.get("num_items_in_batch")
-                aux = self.halting.loss(out, labels, self.loop.loss_config, attention_mask, num_items_in_batch=n_items)
+                opts = self.loop.method_options
+                aux = self.halting.loss(out, labels, opts, attention_mask, num_items_in_batch=n_items)
             if aux is not None:
                 out.aux_loss, out.aux_metrics = aux.loss, aux.metrics
                 out.loss = out.loss + getattr(self.config, "router_aux_loss_coef", 1.0) * aux.loss
             if decider_phase:
                 phase = self.halting.decider_phase_loss(
-                    out, labels, self.loop.loss_config, loss_kwargs.get("num_items_in_batch")
+                    out, labels, self.loop.method_options, loss_kwargs.get("num_items_in_batch")
                 )
                 if phase is not None:  # the decider's own objective alone (the backbone is frozen): an auxiliary
                     # loss with no next-token part, so trainers scale and log it as they do the method's own

@@ -6,10 +6,11 @@ A pretrained stack ``L_0 … L_{N-1}`` is split into three contiguous ranges (do
     core    = L_p … L_{p+c-1}        runs d = 1 … max_depth times per token
     coda    = L_{p+c} … L_{N-1}      runs once, on each token's exit-depth state
 
-``LoopConfig`` holds what changes the model's function and the weights of the halting methods'
-auxiliary losses (``LossConfig``): the model computes its own auxiliary loss when given labels, so
-any trainer optimizes the method's objective. Other training hyper-parameters live with the
-trainer (``retrofit.training``), whose loss-weight flags override the fields here.
+``LoopConfig`` holds what changes the model's function; each halting method's own settings (TaH2's loss weights
+and switches, ANIRA's prior, Ouro's exit rule) live in that method's ``Options`` dataclass, in its module, and are
+nested here as ``LoopConfig.options``: the model computes its own auxiliary loss from them when given labels, so
+any trainer optimizes the method's objective. Other training hyper-parameters live with the trainer
+(``retrofit.training``).
 """
 
 from __future__ import annotations
@@ -22,15 +23,6 @@ from typing import Any
 
 from . import registry
 from .errors import RetrofitUserError
-from .loss_config import (  # noqa: F401  (their home is loss_config; importable from here as before)
-    DECIDER_LOSS_NORMS,
-    DECIDER_LOSS_SCOPES,
-    KAPPA_SCOPES,
-    LOSS_FIELDS,
-    LossConfig,
-    _is_int,
-    _is_number,
-)
 
 ATTENTION_MODES = ("duo-causal", "same-depth")
 DECIDER_ARCHS = ("swiglu", "ffn")
@@ -38,6 +30,14 @@ UPDATERS = ("release", "residual")
 DECIDER_STATES = ("final_norm", "core")
 DECIDER_WIDTH_RULES = ("release", "quarter")
 DECIDER_INITS = ("torch", "normal")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def __getattr__(name):
@@ -80,28 +80,21 @@ class DepthError(RetrofitUserError, ValueError):
 
 #: Fields added after retrofit 0.1 whose default changed what the model computes, with the value an older
 #: checkpoint (whose stored ``loop`` dict lacks the field) was trained with: ``LoopConfig.from_dict``.
-#: 0.2: the release's decider and loss guards; 0.3: the rest of the release (docs/tah2.md, "the options of
-#: the release").
+#: 0.2: the release's decider; 0.3: the rest of the release (docs/tah2.md, "the options of the release"). A
+#: method's own options have theirs in its ``Options.LEGACY_VALUES`` (TaH2's loss guards).
 LEGACY_VALUES: dict[str, Any] = {
     "decider_arch": "ffn",
-    "dyn_pos_weight": False,
-    "cost_min": 0.0,
-    "cost_max": None,
-    "decider_loss_norm": "weights",
     "updater": "residual",
     "decider_state": "core",
     "decider_topk_grad": False,
     "decider_width_rule": "quarter",
     "decider_init": "normal",
     "padding_stops": False,
-    "kappa_scope": "pooled",
-    "kappa_gather": False,
-    "decider_loss_scope": "local",
 }
 
 
 @dataclass
-class LoopConfig(LossConfig):
+class LoopConfig:
     """How to loop a pretrained model.
 
     Args:
@@ -152,27 +145,18 @@ class LoopConfig(LossConfig):
             probability is below it (§3: 0.5).
         halt_threshold: ANIRA-O inference: the token stops at the first depth where the cumulative
             halting mass reaches this value (0.5 = the median depth, §4); lower = shallower.
-        mixture_output: TaH2 output = halting-weighted mixture of per-depth distributions (§3).
-            ``False`` is the seed's "final-depth prediction only" ablation.
-        train_decisions: TaH2 training-time depth choice: ``"threshold"`` (on-policy, the same
-            rule as inference, §3) or ``"sample"`` (Bernoulli on the continue probability, the
-            seed's ablation).
-        gumbel_tau: Temperature of ANIRA-E's straight-through Gumbel-softmax during training.
         fixed_graph: Always unroll all ``max_depth`` iterations, even when every token has exited.
             Needed under DeepSpeed ZeRO-3, whose trace cache thrashes on dynamic control flow, and under FSDP,
             whose per-layer all-gathers hang when the ranks run the core a different number of times; the
             recipes set it under both (``retrofit.training.model_setup.sharded_training``). The extra iterations
             change no token: losses and gradients are the same.
-        options: The method's own options (the fields of its ``Options`` dataclass, in the method's module),
-            validated and completed with their defaults; a method without options takes none.
+        options: The method's own options (the fields of its ``Options`` dataclass, in the method's module:
+            ``TaH2Options``, ``AniraOptions``, ``OuroOptions``), validated and completed with their defaults; a
+            method without options takes none. ``LoopConfig.from_fields`` takes them by name too, and
+            ``from_dict`` moves the flat fields of checkpoints written before the nesting into them.
         deep_init_logit: Initial logit of the deciders' "continue" choice (ANIRA, and TaH2's ``"ffn"``
             decider). Deciders start deep (they continue at init) because shallow starts trap training
             (an ACT finding).
-        alpha_d, rho, decider_weighting, gamma, prior_base, dyn_pos_weight, pos_weight, cost_min, cost_max,
-            decider_loss_norm, bce_margin, kappa_scope, kappa_gather, decider_loss_scope: the auxiliary
-            losses' weights and switches, inherited from
-            ``LossConfig`` (keyword-only); the model adds ``α_D · L_D`` (TaH2) or ``γ · L_C`` (ANIRA) to
-            its loss.
     """
 
     prelude: int = field(
@@ -282,13 +266,6 @@ class LoopConfig(LossConfig):
         default=0.5,
         metadata={"help": ("anira-o inference: stop once the cumulative halting mass reaches it (0.5 = median).")},
     )
-    mixture_output: bool = field(
-        default=True, metadata={"help": "tah2: mixture of per-depth outputs; false = final depth only (ablation)."}
-    )
-    train_decisions: str = field(
-        default="threshold", metadata={"help": "tah2: 'threshold' (on-policy) or 'sample' (ablation)."}
-    )
-    gumbel_tau: float = field(default=1.0, metadata={"help": "anira-e training: Gumbel-softmax temperature."})
     fixed_graph: bool = field(
         default=False,
         metadata={
@@ -326,8 +303,6 @@ class LoopConfig(LossConfig):
             raise LoopConfigError(f"prelude must be an integer >= 0 (number of leading layers), got {self.prelude!r}")
         if self.core is not None and (not _is_int(self.core) or self.core < 1):
             raise LoopConfigError(f"core must be None (all remaining layers) or an integer >= 1, got {self.core!r}")
-        if self.train_decisions not in ("threshold", "sample"):
-            raise LoopConfigError(f"train_decisions must be 'threshold' or 'sample', got {self.train_decisions!r}")
         for name in ("exit_threshold", "halt_threshold"):
             v = getattr(self, name)
             if not _is_number(v) or not 0.0 < v < 1.0:
@@ -356,28 +331,18 @@ class LoopConfig(LossConfig):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise LoopConfigError(f"{name} must be None or a positive integer, got {v!r}")
-        if not _is_number(self.gumbel_tau) or not self.gumbel_tau > 0:
-            raise LoopConfigError(f"gumbel_tau must be a number > 0, got {self.gumbel_tau!r}")
         if not _is_number(self.deep_init_logit) or not math.isfinite(self.deep_init_logit):
             raise LoopConfigError(f"deep_init_logit must be a finite number, got {self.deep_init_logit!r}")
-        for name in ("mixture_output", "fixed_graph", "decider_topk_grad", "padding_stops"):
+        for name in ("fixed_graph", "decider_topk_grad", "padding_stops"):
             if not isinstance(getattr(self, name), bool):
                 raise LoopConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        try:
-            super().__post_init__()  # the loss weights (LossConfig)
-        except ValueError as e:
-            raise LoopConfigError(str(e)) from None
         self.options = _method_options(cls, self.options)
 
     @property
     def method_options(self):
-        """The method's own options: an instance of its ``Options`` dataclass (``options`` holds its fields)."""
+        """The method's own options: an instance of its ``Options`` dataclass (``options`` holds its fields).
+        The model hands it to the method's losses (``HaltingMethod.loss``'s ``cfg``)."""
         return registry.method_class(self.method).Options(**self.options)
-
-    @property
-    def loss_config(self) -> LossConfig:
-        """The auxiliary losses' weights as a ``LossConfig``."""
-        return LossConfig(**{k: getattr(self, k) for k in LOSS_FIELDS})
 
     # ----------------------------------------------------------------------------------------
     def layer_ranges(self, num_layers: int) -> tuple[range, range, range]:
@@ -450,14 +415,35 @@ class LoopConfig(LossConfig):
     def from_dict(cls, d: dict[str, Any]) -> "LoopConfig":
         """A ``LoopConfig`` from a stored dict (a checkpoint's ``config.loop``).
 
-        ``to_dict`` writes every field, so a field missing from ``d`` was written before it existed: it
-        takes the value of ``LEGACY_VALUES`` that reproduces what that older version computed (e.g. the
-        ``"ffn"`` decider), not the current default.
+        ``to_dict`` writes every field and every option of the method, so a field or option missing from ``d`` was
+        written before it existed: it takes the value of ``LEGACY_VALUES`` (a field) or of the method's
+        ``Options.LEGACY_VALUES`` (an option) that reproduces what that older version computed (e.g. the ``"ffn"``
+        decider, TaH2's unclamped costs), not the current default. Checkpoints written before the methods' options
+        were nested (retrofit < 0.4) store them as flat fields (``alpha_d``, ``gamma``, ...), those of every method:
+        the method's own move into ``options``, the others (which that model never read) are dropped.
         """
+        d = dict(d)
         known = {f.name for f in dataclasses.fields(cls)}
+        flat = {k: d.pop(k) for k in list(d) if k not in known and k in registry.option_fields()}
         unknown = set(d) - known
         if unknown:
             raise LoopConfigError(f"unknown LoopConfig fields {sorted(unknown)}; allowed: {sorted(known)}")
+        try:
+            method_cls = registry.method_class(d.get("method", cls.method))
+        except registry.UnknownMethodError as e:
+            raise LoopConfigError(str(e)) from None
+        own = [f.name for f in dataclasses.fields(method_cls.Options)]
+        opts = dict(d.get("options") or {})
+        for k in own:
+            if k in flat and k in opts and flat[k] != opts[k]:
+                raise LoopConfigError(
+                    f"config.loop has {k}={flat[k]!r} and options[{k!r}]={opts[k]!r}: a method's settings live in "
+                    f"config.loop['options'] (retrofit >= 0.4); set {k} there"
+                )
+            if k not in opts and k in flat:
+                opts[k] = flat[k]
+        legacy = getattr(method_cls.Options, "LEGACY_VALUES", {})
+        d["options"] = {**{k: v for k, v in legacy.items() if k not in opts}, **opts}
         return cls(**{**{k: v for k, v in LEGACY_VALUES.items() if k not in d}, **d})
 
 
@@ -473,9 +459,8 @@ def _method_options(cls, options) -> dict[str, Any]:
     if unknown:
         allowed = ", ".join(known) if known else "none"
         raise LoopConfigError(f"unknown options {unknown} for method {cls.name!r}; its options: {allowed}")
-    legacy = getattr(cls.Options, "LEGACY_VALUES", {})
     try:
-        opts = cls.Options(**{**{k: v for k, v in legacy.items() if k not in options}, **options})
+        opts = cls.Options(**options)
     except (TypeError, ValueError) as e:
         raise LoopConfigError(f"{cls.name} options: {e}") from None
     return dataclasses.asdict(opts)

@@ -1,5 +1,6 @@
 """``RetrofitSFTConfig``: TRL's ``SFTConfig`` plus the looped methods' training switches (the trainer that reads it:
-``retrofit.training.trainer``). The methods' loss weights are the model's (``LoopConfig``), declared once there."""
+``retrofit.training.trainer``). The methods' loss weights are the model's (its method's options,
+``LoopConfig.options``), declared once there."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from trl import SFTConfig
 class RetrofitSFTConfig(SFTConfig):
     """``SFTConfig`` plus the looped methods' training switches (schedules, phases, head learning rates).
 
-    The methods' loss weights and switches (``alpha_d``, ``rho``, ``decider_weighting``, ``gamma``, ``prior_base``,
-    ...) are not here: the model computes its own auxiliary loss from its ``LoopConfig``, which declares them once;
-    the recipes' flags for them are made from ``LoopConfig`` (``retrofit.training.model_setup.LoopArgs``), and a
+    The methods' loss weights and switches (TaH2's ``alpha_d``, ``rho``, ``decider_weighting``, ...; ANIRA's
+    ``gamma``, ``prior_base``) are not here: the model computes its own auxiliary loss from its ``LoopConfig``, whose
+    ``options`` are the method's own ``Options`` dataclass (``TaH2Options``, ``AniraOptions``), which declares them
+    once; the recipes' flags for them are made from it (``retrofit.training.model_setup.loop_args_class``), and a
     model built outside a recipe takes them in its ``LoopConfig``. Every paper choice is one flag either way
     (``--decider_weighting uniform``, ``--rho 1.0``).
 

@@ -222,7 +222,7 @@ class RetrofitSFTTrainer(NanGuardMixin, CheckpointMixin, DepthMetricsMixin, SFTT
         per_item = (
             weighted_aux is not None
             and num_items_in_batch is not None
-            and method.aux_loss_per_item(self._looped.loop.loss_config)
+            and method.aux_loss_per_item(self._looped.loop.method_options)
         )
         if per_item:
             # the method divided its loss by num_items_in_batch too (TaH2's decider_loss_scope="global"):

@@ -29,14 +29,15 @@ DEFAULT_ATTENTION = {
     "anira-o": "same-depth",
     "fixed": "same-depth",
 }
-# loop fields that only shape training: serving ignores them
+# loop fields that only shape training: serving ignores them (the methods' options among them are flat fields of
+# checkpoints written before retrofit 0.4 nested them in ``options``)
 TRAINING_ONLY = (
     "train_decisions",
     "gumbel_tau",
     "fixed_graph",
     "deep_init_logit",
     "extra",
-    # the auxiliary losses' weights (retrofit.model.config.LossConfig)
+    # the auxiliary losses' weights (flat before retrofit 0.4)
     "alpha_d",
     "rho",
     "decider_weighting",
@@ -72,9 +73,32 @@ INFERENCE_FIELDS = (
     "decider_arch",
     "exit_threshold",
     "halt_threshold",
-    "mixture_output",
-    "options",  # a method's own options (none for the methods served here)
+    "mixture_output",  # flat before retrofit 0.4; then options["mixture_output"]
+    "options",  # a method's own options (retrofit >= 0.4; earlier checkpoints store them as flat fields)
 )
+#: the methods' own options (``config.loop["options"]``) the plugin reads; the others only shape training
+#: (the loss weights, the training decisions) and are ignored. Keep in step with the methods' ``Options``
+#: dataclasses (tests/vllm_plugin/test_vllm_plugin_config.py checks it).
+SERVED_OPTIONS = {"tah2": ("mixture_output",)}
+TRAINING_ONLY_OPTIONS = {
+    "tah2": (
+        "alpha_d",
+        "rho",
+        "decider_weighting",
+        "dyn_pos_weight",
+        "pos_weight",
+        "cost_min",
+        "cost_max",
+        "decider_loss_norm",
+        "bce_margin",
+        "kappa_scope",
+        "kappa_gather",
+        "decider_loss_scope",
+        "train_decisions",
+    ),
+    "anira-e": ("gamma", "prior_base", "gumbel_tau"),
+    "anira-o": ("gamma", "prior_base"),
+}
 #: what the plugin serves of the fields whose values it cannot all serve (absent: the value of checkpoints
 #: written before the field existed, retrofit.model.config.LEGACY_VALUES)
 SERVED_VALUES = {"updater": ("residual", "release"), "decider_state": ("core", "final_norm")}
@@ -168,8 +192,10 @@ def loop_spec(config) -> LoopSpec:
     method = loop.get("method", "tah2")
     if method not in METHODS:
         raise _error(f"method {method!r} is not served by the vLLM plugin")
-    if loop.get("options"):
-        raise _error(f"config.loop has method options this plugin does not serve: {sorted(loop['options'])}")
+    options = loop.get("options") or {}
+    unserved = sorted(set(options) - set(SERVED_OPTIONS.get(method, ())) - set(TRAINING_ONLY_OPTIONS.get(method, ())))
+    if unserved:
+        raise _error(f"config.loop has {method} options this plugin does not know: {unserved}")
     attention = loop.get("attention") or DEFAULT_ATTENTION[method]
     if attention not in ATTENTION_MODES:
         raise _error(f"unknown attention mode {attention!r}")
@@ -209,7 +235,7 @@ def loop_spec(config) -> LoopSpec:
         decider_arch=loop.get("decider_arch", "ffn"),  # absent: written before the release's decider existed
         exit_threshold=float(loop.get("exit_threshold", 0.5)),
         halt_threshold=float(loop.get("halt_threshold", 0.5)),
-        mixture_output=bool(loop.get("mixture_output", True)),
+        mixture_output=bool(options.get("mixture_output", loop.get("mixture_output", True))),
         updater=loop.get("updater", "residual"),
         decider_state=loop.get("decider_state", "core"),
         serve_depth=depth,

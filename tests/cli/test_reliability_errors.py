@@ -220,7 +220,7 @@ LOOP_CASES = [
     (["--prelude", "2", "--core", "9"], "exceeds the model's 6 layers"),
     (["--core", "0"], "core must be None"),
     (["--exit_threshold", "1.5"], "exit_threshold must be a number strictly between 0 and 1"),
-    (["--train_decisions", "coin"], "train_decisions must be 'threshold' or 'sample'"),
+    (["--train_decisions", "coin"], "tah2 options: train_decisions must be one of threshold, sample"),
     (["--decider_top_k", "-1"], "decider_top_k must be None (the hidden size) or an integer >= 0"),
     (["--updater_hidden", "-4"], "updater_hidden must be None or a positive integer"),
     (["--kappa_scope", "global"], "kappa_scope must be one of per-boundary, pooled"),

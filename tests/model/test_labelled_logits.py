@@ -26,7 +26,7 @@ CASES = [
 
 def _model(family, loop, seed=0):
     torch.manual_seed(seed)
-    model = retrofit.convert(tiny_base(family, seed=seed), retrofit.LoopConfig(**loop)).train()
+    model = retrofit.convert(tiny_base(family, seed=seed), retrofit.LoopConfig.from_fields(loop)).train()
     with torch.no_grad():  # mixed exits (lookahead tokens exist) and a non-trivial updater
         perturb_updater(model, 0.05)
         if loop["method"] == "tah2":  # continue logits ~ N(0, 4): about half the tokens stop at each depth

@@ -16,10 +16,11 @@ from references import brute_force_labels_per_boundary, direct_kl_to_prior, hand
 
 import retrofit
 from retrofit.model.halting import HALTING_METHODS
-from retrofit.model.halting.anira import kl_to_prior, log_prior
-from retrofit.model.halting.base import AuxLoss, LossConfig
+from retrofit.model.halting.anira import AniraOptions, kl_to_prior, log_prior
+from retrofit.model.halting.base import AuxLoss
 from retrofit.model.halting.fixed import sample_poisson_lognormal_depth
 from retrofit.model.halting.tah2 import (
+    TaH2Options,
     decider_loss,
     dynamic_pos_weight,
     gain_cutoff,
@@ -156,12 +157,12 @@ def test_decider_loss_matches_direct_computation():
     """retrofit < 0.2 (normalized by the weights' sum, no clamps, no pos_weight), by hand."""
     lab = lookahead_labels(HAND_NLL, HAND_MASK, rho=0.99, scope="pooled")
     s = _hand_logits()
-    legacy = LossConfig(dyn_pos_weight=False, cost_min=0.0, cost_max=None, decider_loss_norm="weights")
+    legacy = TaH2Options(dyn_pos_weight=False, cost_min=0.0, cost_max=None, decider_loss_norm="weights")
     loss, metrics = decider_loss(s, lab, legacy)
     direct = sum(HAND_W[k] * _bce(HAND_C[k[0]][k[1]], HAND_Y[k]) for k in HAND_Y) / sum(HAND_W.values())
     assert loss.item() == pytest.approx(direct, rel=1e-6)
     uniform, _ = decider_loss(
-        s, lab, LossConfig(decider_weighting="uniform", dyn_pos_weight=False, decider_loss_norm="weights")
+        s, lab, TaH2Options(decider_weighting="uniform", dyn_pos_weight=False, decider_loss_norm="weights")
     )
     assert uniform.item() == pytest.approx(sum(_bce(HAND_C[k[0]][k[1]], HAND_Y[k]) for k in HAND_Y) / 6, rel=1e-6)
     assert metrics["decisions"].item() == 6
@@ -179,7 +180,7 @@ def test_decider_loss_release_defaults_by_hand():
     depth (depth 1: 2 continue / 2 stop -> 1; depth 2: only continues -> 1), Σ w·BCE / labelled tokens (4)."""
     lab = lookahead_labels(HAND_NLL, HAND_MASK, rho=0.99, scope="pooled")
     s = _hand_logits()
-    loss, metrics = decider_loss(s, lab, LossConfig(kappa_scope="pooled"), n_tokens=HAND_MASK.sum())
+    loss, metrics = decider_loss(s, lab, TaH2Options(kappa_scope="pooled"), n_tokens=HAND_MASK.sum())
     w = {k: min(max(v, 1e-6), 1.0) for k, v in HAND_W.items()}
     direct = sum(w[k] * _bce(HAND_C[k[0]][k[1]], HAND_Y[k]) for k in HAND_Y) / 4
     assert loss.item() == pytest.approx(direct, rel=1e-6)
@@ -188,7 +189,7 @@ def test_decider_loss_release_defaults_by_hand():
     assert s.grad[0, 0, 1] != 0  # the clamp keeps a zero-distance decision in the loss (weight 1e-6)
     # cost_max clamps a large distance: scale every gain by 4 (weights 3.5, 0, 2.5, 1, 2, 0.4375)
     lab4 = lookahead_labels(HAND_NLL * 4, HAND_MASK, rho=0.99, scope="pooled")
-    l4, _ = decider_loss(s.detach(), lab4, LossConfig(kappa_scope="pooled"), n_tokens=4)
+    l4, _ = decider_loss(s.detach(), lab4, TaH2Options(kappa_scope="pooled"), n_tokens=4)
     w4 = {k: min(max(4 * v, 1e-6), 1.0) for k, v in HAND_W.items()}
     assert l4.item() == pytest.approx(sum(w4[k] * _bce(HAND_C[k[0]][k[1]], HAND_Y[k]) for k in HAND_Y) / 4, rel=1e-6)
 
@@ -276,7 +277,7 @@ def test_per_boundary_decider_loss_at_depth_three_by_hand():
     c = [[0.9, 0.6], [0.3, 0.5], [0.7, 0.2], [0.8, 0.5], [0.4, 0.7], [0.5, 0.5]]
     s = torch.tensor([[[_logit(p) for p in row] for row in c]], requires_grad=True)
     lab = lookahead_labels(M3_NLL, M3_MASK, rho=0.99, scope="per-boundary")
-    loss, metrics = decider_loss(s, lab, LossConfig(), n_tokens=5)
+    loss, metrics = decider_loss(s, lab, TaH2Options(), n_tokens=5)
     y = {(0, 0): 1, (0, 1): 1, (1, 0): 0, (2, 0): 1, (2, 1): 1, (3, 0): 1, (4, 0): 0, (4, 1): 0}
     w = {(0, 0): 0.984375, (0, 1): 1e-6, (1, 0): 0.515625, (2, 0): 0.359375, (2, 1): 0.5, (3, 0): 1e-6}
     w.update({(4, 0): 0.265625, (4, 1): 1e-6})
@@ -306,7 +307,7 @@ def _kappa_worker(rank: int, world: int, init_file: str, out_dir: str, nll, mask
         res = {}
         for scope in ("per-boundary", "pooled"):
             lab = lookahead_labels(nll[rows], mask[rows], rho=0.9, n_decisions=k, scope=scope, gather=True)
-            _, metrics = decider_loss(logits[rows, :, :k], lab, LossConfig(kappa_scope=scope), n_tokens=1)
+            _, metrics = decider_loss(logits[rows, :, :k], lab, TaH2Options(kappa_scope=scope), n_tokens=1)
             res[scope] = (lab.kappa.clone(), lab.labels.clone(), metrics["pos_weight"].clone())
         torch.save(res, f"{out_dir}/rank{rank}.pt")
     finally:
@@ -336,7 +337,7 @@ def test_gathered_kappa_equals_the_single_process_kappa(tmp_path):
     )
     for scope in ("per-boundary", "pooled"):
         ref = lookahead_labels(nll, mask, rho=0.9, scope=scope)
-        _, ref_m = decider_loss(logits, ref, LossConfig(kappa_scope=scope), n_tokens=1)
+        _, ref_m = decider_loss(logits, ref, TaH2Options(kappa_scope=scope), n_tokens=1)
         alone = [
             lookahead_labels(nll[r * 2 : r * 2 + 2], mask[r * 2 : r * 2 + 2], rho=0.9, scope=scope) for r in (0, 1)
         ]
@@ -358,21 +359,24 @@ def test_decider_loss_divides_by_the_global_num_items():
     and under ``"local"``, the divisor is the batch's own labelled tokens."""
     model = _mixed_depth_tah2()
     ids, labels = _batch(B=3, T=14)
-    alpha = model.loop.alpha_d
+    alpha = model.loop.method_options.alpha_d
     n_local = int(next_token_mask(labels).sum())
     N = 4 * n_local + 3
     out = model(ids, labels=labels, num_items_in_batch=torch.tensor(N))
-    total, n = hand_decider_loss_cfg(out.depth_nll, labels, out.halt_logits, model.loop.loss_config, n_items=1)
+    total, n = hand_decider_loss_cfg(out.depth_nll, labels, out.halt_logits, model.loop.method_options, n_items=1)
     assert n > 0
     torch.testing.assert_close(out.aux_loss, alpha * total / N)
     torch.testing.assert_close(out.aux_metrics["decider_loss"], (total / n_local).detach())
-    assert model.halting.aux_loss_per_item(model.loop.loss_config)
+    assert model.halting.aux_loss_per_item(model.loop.method_options)
     plain = model(ids, labels=labels)
     torch.testing.assert_close(plain.aux_loss, alpha * total / n_local)
-    model.config.loop = {**model.config.loop, "decider_loss_scope": "local"}
+    model.config.loop = {
+        **model.config.loop,
+        "options": {**model.config.loop["options"], "decider_loss_scope": "local"},
+    }
     local = model(ids, labels=labels, num_items_in_batch=torch.tensor(N))
     torch.testing.assert_close(local.aux_loss, alpha * total / n_local)
-    assert not model.halting.aux_loss_per_item(model.loop.loss_config)
+    assert not model.halting.aux_loss_per_item(model.loop.method_options)
 
 
 def _labels_by_hand(y, w):
@@ -395,12 +399,12 @@ def test_dynamic_pos_weight_is_the_clamped_negative_positive_ratio(n_pos, n_neg,
     y = [1] * n_pos + [0] * n_neg
     lab = _labels_by_hand(y, [0.5] * len(y))
     s = torch.linspace(-1, 1, len(y))[None, :, None]
-    loss, metrics = decider_loss(s, lab, LossConfig(), n_tokens=len(y))
+    loss, metrics = decider_loss(s, lab, TaH2Options(), n_tokens=len(y))
     assert metrics["pos_weight"].item() == pytest.approx(pw, rel=1e-6)
     ps = torch.sigmoid(s).flatten().tolist()
     direct = sum(0.5 * _bce(p, yy, pw) for p, yy in zip(ps, y)) / len(y)
     assert loss.item() == pytest.approx(direct, rel=1e-5)
-    static, m2 = decider_loss(s, lab, LossConfig(dyn_pos_weight=False, pos_weight=2.0), n_tokens=len(y))
+    static, m2 = decider_loss(s, lab, TaH2Options(dyn_pos_weight=False, pos_weight=2.0), n_tokens=len(y))
     assert m2["pos_weight"].item() == 2.0
     assert static.item() == pytest.approx(sum(0.5 * _bce(p, yy, 2.0) for p, yy in zip(ps, y)) / len(y), rel=1e-5)
 
@@ -408,25 +412,25 @@ def test_dynamic_pos_weight_is_the_clamped_negative_positive_ratio(n_pos, n_neg,
 def test_bce_margin_shifts_the_logit_toward_the_wrong_side():
     lab = _labels_by_hand([1, 0], [1.0, 1.0])
     s = torch.tensor([[[2.0], [-0.5]]])
-    loss, _ = decider_loss(s, lab, LossConfig(bce_margin=1.5, dyn_pos_weight=False), n_tokens=2)
+    loss, _ = decider_loss(s, lab, TaH2Options(bce_margin=1.5, dyn_pos_weight=False), n_tokens=2)
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     direct = (_bce(sig(2.0 - 1.5), 1) + _bce(sig(-0.5 + 1.5), 0)) / 2
     assert loss.item() == pytest.approx(direct, rel=1e-6)
-    plain, _ = decider_loss(s, lab, LossConfig(dyn_pos_weight=False), n_tokens=2)
+    plain, _ = decider_loss(s, lab, TaH2Options(dyn_pos_weight=False), n_tokens=2)
     assert loss.item() > plain.item()
 
 
 def test_loss_config_rejects_bad_switches():
     with pytest.raises(ValueError, match="uniform"):
-        LossConfig(decider_weighting="squared")
+        TaH2Options(decider_weighting="squared")
     with pytest.raises(ValueError, match="decider_loss_norm"):
-        LossConfig(decider_loss_norm="mean")
+        TaH2Options(decider_loss_norm="mean")
     with pytest.raises(ValueError, match="cost_max"):
-        LossConfig(cost_min=0.5, cost_max=0.1)
+        TaH2Options(cost_min=0.5, cost_max=0.1)
     with pytest.raises(ValueError, match="bce_margin"):
-        LossConfig(bce_margin=-1.0)
+        TaH2Options(bce_margin=-1.0)
     with pytest.raises(ValueError, match="pos_weight"):
-        LossConfig(pos_weight=0.0)
+        TaH2Options(pos_weight=0.0)
 
 
 def test_next_token_mask_shifts_labels():
@@ -450,7 +454,7 @@ def test_tah2_loss_uses_depth_nll_and_signals():
     model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=3, method="tah2")).train()
     ids, labels = _batch()
     out = model(ids, labels=labels)
-    cfg = LossConfig()
+    cfg = TaH2Options()
     aux = model.halting.loss(out, labels, cfg)
     ref, n = hand_decider_loss_cfg(out.depth_nll, labels, out.halt_logits, cfg)
     assert torch.allclose(aux.loss, cfg.alpha_d * ref)
@@ -470,12 +474,12 @@ def test_tah2_loss_in_eval_needs_depth_losses():
     plain = model(ids, labels=labels, output_router_logits=False)
     assert plain.depth_nll is None and plain.aux_loss is None
     with pytest.raises(ValueError, match="output_depth_losses"):
-        model.halting.loss(plain, labels, LossConfig())
+        model.halting.loss(plain, labels, TaH2Options())
     out = model(ids, labels=labels, output_depth_losses=True, output_router_logits=False)
-    assert torch.isfinite(model.halting.loss(out, labels, LossConfig()).loss)
+    assert torch.isfinite(model.halting.loss(out, labels, TaH2Options()).loss)
     # by default (config.output_router_logits) the eval forward computes it too
     default = model(ids, labels=labels)
-    torch.testing.assert_close(default.aux_loss, model.halting.loss(out, labels, LossConfig()).loss)
+    torch.testing.assert_close(default.aux_loss, model.halting.loss(out, labels, TaH2Options()).loss)
 
 
 def test_lookahead_loss_equals_forcing_the_token_one_depth_deeper():
@@ -539,13 +543,13 @@ def test_anira_loss_is_gamma_times_masked_mean_kl(method):
     torch.manual_seed(0)
     model = retrofit.convert(
         tiny_base("llama"),
-        retrofit.LoopConfig(prelude=1, core=4, max_depth=3, method=method, gamma=0.3, prior_base=2.0),
+        retrofit.LoopConfig(prelude=1, core=4, max_depth=3, method=method, options={"gamma": 0.3, "prior_base": 2.0}),
     ).train()
     ids, labels = _batch()
     attn = torch.ones_like(ids)
     attn[1, -3:] = 0  # padding
     out = model(ids, attention_mask=attn, labels=labels)
-    cfg = LossConfig(gamma=0.3, prior_base=2.0)
+    cfg = AniraOptions(gamma=0.3, prior_base=2.0)
     aux = model.halting.loss(out, labels, cfg, attention_mask=attn)
     ref = direct_kl_to_prior(out.depth_probs.detach(), 2.0)[attn.bool()].mean()  # all non-pad tokens, prompt too
     assert aux.loss.item() == pytest.approx(0.3 * ref.item(), abs=1e-6)
@@ -649,8 +653,8 @@ def _total_loss(model, ids, labels, cfg):
 
 @pytest.mark.parametrize("name", sorted(HALTING_METHODS))
 def test_method_contract(name):
-    cfg = LossConfig()
     model = _method_model(name).train()
+    cfg = model.loop.method_options
     ids, labels = _batch(B=4, T=16)
 
     # loss finite, gradients reach the updater and the decider
@@ -694,11 +698,11 @@ def test_method_contract(name):
 
 def test_loss_config_validation():
     with pytest.raises(ValueError, match="rho"):
-        LossConfig(rho=0.0)
+        TaH2Options(rho=0.0)
     with pytest.raises(ValueError, match="decider_weighting"):
-        LossConfig(decider_weighting="squared")
+        TaH2Options(decider_weighting="squared")
     with pytest.raises(ValueError, match="prior_base"):
-        LossConfig(prior_base=0)
+        AniraOptions(prior_base=0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -738,11 +742,11 @@ def test_tah2_training_forward_matches_reference_mixture_and_losses():
     shift = F.pad(labels[:, 1:], (0, 1), value=-100)
     m = shift != -100
     nll = -probs.gather(-1, shift.clamp_min(0)[..., None]).squeeze(-1).log()
-    l_d, n = hand_decider_loss_cfg(ref.depth_nll, labels, ref.halt_logits, model.loop.loss_config)
+    l_d, n = hand_decider_loss_cfg(ref.depth_nll, labels, ref.halt_logits, model.loop.method_options)
     assert n > 0
-    total = nll[m].mean() + model.loop.alpha_d * l_d
+    total = nll[m].mean() + model.loop.method_options.alpha_d * l_d
     assert torch.allclose(out.loss, total, atol=1e-5)
-    assert torch.allclose(out.aux_loss, model.loop.alpha_d * l_d, atol=1e-6)
+    assert torch.allclose(out.aux_loss, model.loop.method_options.alpha_d * l_d, atol=1e-6)
     total.backward()
     for n, g in fast.items():
         torch.testing.assert_close(g, model.get_parameter(n).grad, atol=1e-5, rtol=1e-4, msg=n)
@@ -760,7 +764,7 @@ def test_forced_depth_has_no_auxiliary_loss(name):
     model = _method_model(name).train()
     ids, labels = _batch()
     out = model(ids, labels=labels, depth=2)
-    assert out.aux_loss is None and model.halting.loss(out, labels, LossConfig()) is None
+    assert out.aux_loss is None and model.halting.loss(out, labels, TaH2Options()) is None
     torch.testing.assert_close(out.loss, F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()))
 
 

@@ -111,7 +111,7 @@ def test_tah2_final_depth_output_matches_bruteforce():
     """TaH2 without the mixture (the 'final-depth only' ablation) is the plain exit-depth readout."""
     base = tiny_base("qwen3")
     looped = randomize_heads(
-        retrofit.convert(base, LoopConfig(max_depth=3, method="tah2", mixture_output=False))
+        retrofit.convert(base, LoopConfig(max_depth=3, method="tah2", options={"mixture_output": False}))
     ).eval()
     ids = ids_for(T=6, seed=2)
     depths = torch.randint(1, 4, ids.shape, generator=torch.Generator().manual_seed(9))

@@ -170,8 +170,10 @@ def test_options_are_validated_saved_and_reloaded(tmp_path):
         LoopConfig(method="ouro", options={"exit_threshold": 0.3})
     with pytest.raises(LoopConfigError, match=r"exit_q must be a number in \(0, 1\]"):
         LoopConfig(method="ouro", options={"exit_q": 0.0})
-    with pytest.raises(LoopConfigError, match="unknown options.*tah2.*none"):
+    with pytest.raises(LoopConfigError, match=r"unknown options \['exit_q'\] for method 'tah2'; its options: alpha_d"):
         LoopConfig(method="tah2", options={"exit_q": 0.3})
+    with pytest.raises(LoopConfigError, match="unknown options.*fixed.*none"):
+        LoopConfig(method="fixed", options={"exit_q": 0.3})
     model = _model(q=0.7)
     model.save_pretrained(tmp_path)
     loaded = retrofit.LoopedLlamaForCausalLM.from_pretrained(tmp_path).eval()

@@ -50,7 +50,9 @@ def test_method_defaults_are_the_release_for_tah2_only(method):
     # each method's own loop_defaults over the generic ones (Ouro's gate reads the final-normed state)
     want = RELEASE if method == "tah2" else {**GENERIC_DEFAULTS, **registry.method_class(method).loop_defaults}
     assert {k: getattr(loop, k) for k in RELEASE} == want
-    assert (loop.kappa_scope, loop.kappa_gather, loop.decider_loss_scope) == ("per-boundary", True, "global")
+    if method == "tah2":
+        o = loop.method_options
+        assert (o.kappa_scope, o.kappa_gather, o.decider_loss_scope) == ("per-boundary", True, "global")
     assert loop.decider_top_k is None and loop.decider_hidden is None
     stored = LoopConfig.from_dict(loop.to_dict())  # to_dict stores the resolved values
     assert stored == loop
@@ -62,14 +64,20 @@ def test_new_fields_reject_unknown_values_naming_the_allowed_ones():
         ("decider_state", "prenorm", "final_norm, core"),
         ("decider_width_rule", "half", "release, quarter"),
         ("decider_init", "xavier", "torch, normal"),
-        ("kappa_scope", "global", "per-boundary, pooled"),
-        ("decider_loss_scope", "rank", "global, local"),
     ]:
         with pytest.raises(LoopConfigError, match=allowed):
             LoopConfig(**{name: bad})
-    for name in ("decider_topk_grad", "padding_stops", "kappa_gather"):
+    for name, bad, allowed in [
+        ("kappa_scope", "global", "per-boundary, pooled"),
+        ("decider_loss_scope", "rank", "global, local"),
+    ]:  # TaH2's own options
+        with pytest.raises(LoopConfigError, match=f"tah2 options: {name} must be one of {allowed}"):
+            LoopConfig(options={name: bad})
+    for name in ("decider_topk_grad", "padding_stops"):
         with pytest.raises(LoopConfigError, match="true or false"):
             LoopConfig(**{name: "yes"})
+    with pytest.raises(LoopConfigError, match="kappa_gather must be true or false"):
+        LoopConfig(options={"kappa_gather": "yes"})
     with pytest.raises(LoopConfigError, match="None .the hidden size."):
         LoopConfig(decider_top_k=-1)
 
@@ -78,13 +86,21 @@ def test_an_old_checkpoint_dict_keeps_what_it_computed():
     """A ``loop`` dict written before the release's options existed (``to_dict`` stored every field then,
     ``decider_hidden: null`` meaning H // 4 and ``decider_top_k: 2048``) loads with the legacy values, builds the
     same modules (``updater.w1``/``w2``, a width-H/4 decider over the top-2,048) and computes what that version
-    computed: the residual updater on the core output, detached top-K features, pooled κ."""
-    old = {k: v for k, v in LoopConfig(max_depth=3, decider_top_k=2048).to_dict().items() if k not in LEGACY_VALUES}
+    computed: the residual updater on the core output, detached top-K features, pooled κ. Its loss settings are
+    flat fields, every method's (retrofit < 0.4): TaH2's move into ``options``, ANIRA's are dropped."""
+    new = LoopConfig(max_depth=3, decider_top_k=2048).to_dict()
+    old = {k: v for k, v in new.items() if k not in LEGACY_VALUES and k != "options"}
     old.update(decider_arch="swiglu", dyn_pos_weight=True, cost_min=1e-6, cost_max=1.0, decider_loss_norm="tokens")
+    old.update(alpha_d=0.07, rho=0.99, decider_weighting="distance", pos_weight=1.0, bce_margin=0.0)
+    old.update(mixture_output=True, train_decisions="threshold", gamma=0.01, prior_base=2.0, gumbel_tau=1.0)
     assert old["decider_hidden"] is None
     loop = LoopConfig.from_dict(old)
     assert {k: getattr(loop, k) for k in LEGACY_VALUES if k in RELEASE} == {k: LEGACY_VALUES[k] for k in RELEASE}
-    assert (loop.kappa_scope, loop.kappa_gather, loop.decider_loss_scope) == ("pooled", False, "local")
+    o = loop.method_options
+    assert (o.kappa_scope, o.kappa_gather, o.decider_loss_scope) == ("pooled", False, "local")
+    assert (o.alpha_d, o.dyn_pos_weight, o.cost_min) == (0.07, True, 1e-6) and set(loop.options) == set(new["options"])
+    with pytest.raises(LoopConfigError, match=r"config.loop has alpha_d=0.5 and options\['alpha_d'\]=0.05"):
+        LoopConfig.from_dict({**new, "alpha_d": 0.5})  # a flat setting beside the nested one: refused, not ignored
     base = tiny_base("llama")
     cfg = retrofit.looped_config_for(base.config, LoopConfig(max_depth=3))
     cfg.loop = old
@@ -204,7 +220,10 @@ def test_topk_gradient_matches_a_hand_built_decider_loss(topk_grad):
     torch.manual_seed(0)
     base = tiny_base("llama", tie_word_embeddings=False)
     loop = LoopConfig(
-        max_depth=2, decider_topk_grad=topk_grad, decider_weighting="uniform", dyn_pos_weight=False, decider_top_k=16
+        max_depth=2,
+        decider_topk_grad=topk_grad,
+        decider_top_k=16,
+        options={"decider_weighting": "uniform", "dyn_pos_weight": False},
     )
     m = retrofit.convert(base, loop).train()
     spread_decider(m, logit_std=2.0)
@@ -227,7 +246,7 @@ def test_topk_gradient_matches_a_hand_built_decider_loss(topk_grad):
     from retrofit.model.halting.tah2 import lookahead_labels, next_token_mask
 
     mask = next_token_mask(labels)
-    y = lookahead_labels(out.depth_nll, mask, rho=m.loop.rho).labels[..., 0].float()
+    y = lookahead_labels(out.depth_nll, mask, rho=m.loop.method_options.rho).labels[..., 0].float()
 
     def reference(live: bool) -> dict:
         ref = base(ids, output_hidden_states=True)
@@ -236,7 +255,7 @@ def test_topk_gradient_matches_a_hand_built_decider_loss(topk_grad):
         top = probs.topk(16, -1).values
         logit = m.halting.decider(base.model.embed_tokens(ids), ref.hidden_states[-1], top).squeeze(-1).float()
         bce = F.binary_cross_entropy_with_logits(logit, y, reduction="none")
-        loss = m.loop.alpha_d * bce[mask].sum() / mask.sum()
+        loss = m.loop.method_options.alpha_d * bce[mask].sum() / mask.sum()
         torch.testing.assert_close(loss, out.aux_loss)
         return grads(loss)
 

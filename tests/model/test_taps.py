@@ -95,7 +95,7 @@ def test_eta_one_is_exactly_the_unit_step():
 
 def looped(max_depth=4, split=True, seed=2, **loop):
     kw = {"prelude": 1, "core": 3} if split else {}
-    model = convert(tiny_base("llama"), LoopConfig(max_depth=max_depth, method="tah2", **kw, **loop))
+    model = convert(tiny_base("llama"), LoopConfig.from_fields(dict(max_depth=max_depth, method="tah2", **kw, **loop)))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for mod in (model.updater, model.halting):

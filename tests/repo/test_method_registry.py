@@ -135,3 +135,25 @@ def test_memory_follows_the_methods_readout(ouro, monkeypatch):
     base = generation_bytes(ouro.config, batch=1, prompt_len=8, new_tokens=8)
     monkeypatch.setattr(type(ouro.halting), "reads_every_depth", classmethod(lambda cls, loop: True))
     assert generation_bytes(ouro.config, batch=1, prompt_len=8, new_tokens=8)["logits"] > base["logits"]
+
+
+def test_each_method_setting_is_declared_once():
+    """A method's own settings are the fields of its ``Options`` (in its module): none is also a ``LoopConfig``
+    field, two methods that share an option name declare it with the same type and default, and every option has
+    help (its flags are made from it)."""
+    import dataclasses
+    import typing
+
+    from retrofit.model.config import LoopConfig
+
+    loop_fields = {f.name for f in dataclasses.fields(LoopConfig)}
+    seen = {}
+    for name in registry.names():
+        opts = registry.method_class(name).Options
+        hints = typing.get_type_hints(opts)
+        for f in dataclasses.fields(opts):
+            assert f.name not in loop_fields, f"{name}'s option {f.name} is also a LoopConfig field"
+            assert f.metadata.get("help"), f"{name}'s option {f.name} has no help"
+            decl = (hints[f.name], f.default)
+            assert seen.setdefault(f.name, decl) == decl, f"option {f.name} is declared twice, differently"
+    assert {"alpha_d", "kappa_scope", "mixture_output", "gamma", "gumbel_tau", "exit_q"} <= set(seen)

@@ -29,7 +29,9 @@ def looped(
     family="llama", method="fixed", split="whole", attention=None, max_depth=3, head_seed=1, scale=0.5, **loop_kw
 ):
     """A tiny looped model with random (perturbed) heads, so that exits really mix across tokens."""
-    loop = LoopConfig(max_depth=max_depth, method=method, attention=attention, **SPLITS[split], **loop_kw)
+    loop = LoopConfig.from_fields(
+        dict(max_depth=max_depth, method=method, attention=attention, **SPLITS[split], **loop_kw)
+    )
     model = convert(tiny_base(family, seed=0), loop)
     g = torch.Generator().manual_seed(head_seed)
     with torch.no_grad():

@@ -26,7 +26,9 @@ def _model(method="tah2", max_depth=2, seed=0, spread=True, **loop):
     if method.startswith("anira"):
         loop = {"prelude": 1, "core": 4, **loop}
     torch.manual_seed(seed)
-    m = retrofit.convert(tiny_base("llama", seed=seed), LoopConfig(max_depth=max_depth, method=method, **loop))
+    m = retrofit.convert(
+        tiny_base("llama", seed=seed), LoopConfig.from_fields(dict(max_depth=max_depth, method=method, **loop))
+    )
     if spread and method == "tah2":
         spread_decider(m, logit_std=2.0, generator=torch.Generator().manual_seed(seed))
     return m
@@ -58,10 +60,13 @@ def test_swiglu_decider_starts_near_one_half_and_norms_each_part():
 def test_checkpoints_without_the_new_fields_load_as_they_were_trained(tmp_path):
     """A stored ``loop`` dict from before decider_arch / the loss guards existed reads as the old behaviour."""
     old = {k: v for k, v in LoopConfig(method="tah2", decider_arch="ffn", decider_top_k=10).to_dict().items()}
-    for k in ("decider_arch", "dyn_pos_weight", "cost_min", "cost_max", "decider_loss_norm", "decider_init_std"):
-        old.pop(k, None)
+    old.pop("decider_arch")
+    old.pop("decider_init_std")
+    for k in ("dyn_pos_weight", "cost_min", "cost_max", "decider_loss_norm"):
+        old["options"].pop(k)
     lc = LoopConfig.from_dict(old)
-    assert (lc.decider_arch, lc.dyn_pos_weight, lc.cost_min, lc.cost_max, lc.decider_loss_norm) == (
+    o = lc.method_options
+    assert (lc.decider_arch, o.dyn_pos_weight, o.cost_min, o.cost_max, o.decider_loss_norm) == (
         "ffn",
         False,
         0.0,
@@ -72,8 +77,9 @@ def test_checkpoints_without_the_new_fields_load_as_they_were_trained(tmp_path):
     m = _model(decider_arch="ffn", decider_top_k=10).eval()
     m.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    for k in ("decider_arch", "dyn_pos_weight", "cost_min", "cost_max", "decider_loss_norm"):
-        cfg["loop"].pop(k)
+    cfg["loop"].pop("decider_arch")
+    for k in ("dyn_pos_weight", "cost_min", "cost_max", "decider_loss_norm"):
+        cfg["loop"]["options"].pop(k)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     from transformers import AutoModelForCausalLM
 

@@ -55,7 +55,7 @@ def test_lora_trains_adapters_and_heads_only(family):
     model.train()
     ids = ids_batch()
     out = model(input_ids=ids, labels=ids)
-    aux = model.get_base_model().halting.loss(out, ids, model.get_base_model().loop.loss_config)
+    aux = model.get_base_model().halting.loss(out, ids, model.get_base_model().loop.method_options)
     torch.testing.assert_close(out.aux_loss, aux.loss)  # the forward's loss already holds the decider loss
     out.loss.backward()
     heads = [p for n, p in model.named_parameters() if ".modules_to_save." in n]

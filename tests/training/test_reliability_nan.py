@@ -100,7 +100,9 @@ def test_divergence_between_saves_stops_before_the_aux_loss(tmp_path, method):
 def test_nan_in_the_decider_is_caught_before_its_bce(tmp_path):
     """mixture_output=False: a NaN decider leaves the next-token loss finite, but its BCE would raise."""
     torch.manual_seed(0)
-    model = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(max_depth=2, method="tah2", mixture_output=False))
+    model = retrofit.convert(
+        tiny_base("llama"), retrofit.LoopConfig(max_depth=2, method="tah2", options={"mixture_output": False})
+    )
     with torch.no_grad():
         for p in model.halting.parameters():
             p.fill_(float("nan"))

@@ -51,7 +51,7 @@ def make_model(method="tah2", max_depth=2, seed=0, **loop):
         loop = {"prelude": 1, "core": 4, **loop}
     torch.manual_seed(seed)  # the heads' init draws from the global RNG
     return retrofit.convert(
-        tiny_base("llama", seed=seed), retrofit.LoopConfig(max_depth=max_depth, method=method, **loop)
+        tiny_base("llama", seed=seed), retrofit.LoopConfig.from_fields(dict(max_depth=max_depth, method=method, **loop))
     )
 
 
@@ -115,6 +115,16 @@ def test_every_setting_is_declared_once():
         assert f.metadata["help"], f"LoopConfig.{name} has no help"
     trainer_fields = {f.name for f in dataclasses.fields(RetrofitSFTConfig)}
     assert not (trainer_fields & set(loop)), trainer_fields & set(loop)
+    # each method's own options: one flag each, its help the option's own, default None (= the method's default);
+    # neither LoopConfig nor the trainer declares them again
+    from retrofit.model import registry
+    from retrofit.training.model_setup import loop_args_class
+
+    flags = {f.name: f for f in dataclasses.fields(loop_args_class())}
+    for name, (f, owners) in registry.option_fields().items():
+        assert flags[name].default is None and flags[name].metadata["help"].endswith(f.metadata["help"]), name
+        assert name not in loop and name not in trainer_fields, name
+        assert flags[name].metadata["help"].startswith(" / ".join(owners) + ": "), name
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,9 +226,10 @@ def test_compute_loss_runs_the_looped_forward_plus_aux(tmp_path):
 
 @pytest.mark.parametrize("method", ["anira-e", "anira-o", "fixed"])
 def test_compute_loss_other_methods(tmp_path, method):
-    tr = make_trainer(tmp_path, model=make_model(method, gamma=0.5))
+    tr = make_trainer(tmp_path, model=make_model(method, **({} if method == "fixed" else {"gamma": 0.5})))
     model = tr.model.eval()  # eval: no sampling, so a second forward reproduces the first
-    assert model.loop.gamma == 0.5  # the model's own weight (the trainer has none)
+    if method != "fixed":
+        assert model.loop.method_options.gamma == 0.5  # the model's own weight (the trainer has none)
     inputs = _one_batch(tr)
     with torch.no_grad():
         loss = tr.compute_loss(model, dict(inputs))
@@ -237,10 +248,12 @@ def test_loss_weights_live_in_the_model_config(tmp_path):
     model = make_model("tah2", alpha_d=0.07, rho=1.0)
     before = dict(model.config.loop)
     tr = make_trainer(tmp_path, model=model)
-    assert (tr.model.loop.alpha_d, tr.model.loop.rho) == (0.07, 1.0) and dict(tr.model.config.loop) == before
+    opts = tr.model.loop.method_options
+    assert (opts.alpha_d, opts.rho) == (0.07, 1.0) and dict(tr.model.config.loop) == before
     tr.save_model(str(tmp_path / "saved"))
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
-    assert saved["loop"]["alpha_d"] == 0.07 and saved["loop"]["rho"] == 1.0
+    assert saved["loop"]["options"]["alpha_d"] == 0.07 and saved["loop"]["options"]["rho"] == 1.0
+    assert "alpha_d" not in saved["loop"]  # declared once: in the method's options
     with pytest.raises(ValueError, match="rho"):
         make_model("tah2", rho=2.0)
 
@@ -342,11 +355,14 @@ def test_decider_gradients_of_a_batch_equal_its_accumulated_halves(tmp_path):
             tr.compute_loss(model, dict(b), num_items_in_batch=n_items).backward()
         return torch.cat([p.grad.flatten() for p in params])
 
-    assert model.halting.aux_loss_per_item(model.loop.loss_config)
+    assert model.halting.aux_loss_per_item(model.loop.method_options)
     one, two = grads([batch]), grads(halves)
     assert one.abs().max() > 0
     torch.testing.assert_close(two, one, atol=1e-7, rtol=1e-5)
-    model.config.loop = {**model.config.loop, "decider_loss_scope": "local"}
+    model.config.loop = {
+        **model.config.loop,
+        "options": {**model.config.loop["options"], "decider_loss_scope": "local"},
+    }
     assert (grads(halves) - grads([batch])).abs().max() > 1e-6
 
 

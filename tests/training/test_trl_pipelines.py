@@ -302,13 +302,14 @@ def test_text_generation_pipeline_with_cache():
 def hand_aux(model, out, labels, attention_mask):
     """The method's weighted auxiliary loss, written out (``references.py``), from a forward's fields."""
     loop = model.loop
+    opts = loop.method_options
     if loop.method == "tah2":
-        l_d, n = hand_decider_loss_cfg(out.depth_nll, labels, out.halt_logits, loop.loss_config)
+        l_d, n = hand_decider_loss_cfg(out.depth_nll, labels, out.halt_logits, opts)
         assert n > 0, "no decision was supervised"
-        return loop.alpha_d * l_d
-    kl = direct_kl_to_prior(out.depth_probs, loop.prior_base)
+        return opts.alpha_d * l_d
+    kl = direct_kl_to_prior(out.depth_probs, opts.prior_base)
     real = torch.ones_like(kl, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    return loop.gamma * kl[real].mean().float()
+    return opts.gamma * kl[real].mean().float()
 
 
 def _trainer(kind, method, tmp_path):

@@ -18,9 +18,15 @@ from retrofit.vllm_plugin import config as P
 
 def test_plugin_knows_every_loop_field_and_the_methods():
     fields = {f.name for f in dataclasses.fields(C.LoopConfig)}
-    assert set(P.INFERENCE_FIELDS) | set(P.TRAINING_ONLY) == fields
+    known = set(P.INFERENCE_FIELDS) | set(P.TRAINING_ONLY)
+    # beyond LoopConfig's fields: the methods' options as flat fields of checkpoints from before retrofit 0.4
+    assert fields <= known and known - fields <= set(registry.option_fields()), known - fields
     assert not set(P.INFERENCE_FIELDS) & set(P.TRAINING_ONLY)
     served = tuple(n for n in C.METHODS if registry.method_class(n).vllm_supported)
+    for n in served:  # every option of a served method is read or known to shape training only
+        own = {f.name for f in dataclasses.fields(registry.method_class(n).Options)}
+        plugin = set(P.SERVED_OPTIONS.get(n, ())) | set(P.TRAINING_ONLY_OPTIONS.get(n, ()))
+        assert plugin == own, n
     assert P.METHODS == served  # the plugin's adapters are exactly the methods that declare vLLM support
     assert set(P.ATTENTION_MODES) == set(C.ATTENTION_MODES)
     assert P.DEFAULT_ATTENTION == {n: C.DEFAULT_ATTENTION[n] for n in served}
@@ -66,3 +72,20 @@ def test_plugin_reads_the_release_updater_and_state_and_refuses_unknown_values()
             P.loop_spec(SimpleNamespace(**shape, loop={**m.config.loop, name: "other"}))
     for method in ("anira-e", "anira-o", "fixed"):
         assert P.loop_spec(retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(method=method)).config)
+
+
+def test_plugin_reads_the_output_mixture_from_the_options_or_the_flat_field():
+    """``mixture_output`` is a TaH2 option (``config.loop["options"]``); a checkpoint from before the nesting has it
+    as a flat field; an option the plugin does not know is one clear error."""
+    m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(method="tah2", options={"mixture_output": False}))
+    assert m.config.loop["options"]["mixture_output"] is False and "mixture_output" not in m.config.loop
+    assert P.loop_spec(m.config).mixture_output is False
+    assert P.loop_spec(retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(method="tah2")).config).mixture_output
+    flat = {k: v for k, v in m.config.loop.items() if k != "options"}
+    shape = {"num_hidden_layers": 6, "hidden_size": 64}
+    assert (
+        P.loop_spec(SimpleNamespace(**shape, loop={**flat, "mixture_output": False, "alpha_d": 0.05})).mixture_output
+        is False
+    )
+    with pytest.raises(P.LoopSpecError, match=r"tah2 options this plugin does not know: \['new_knob'\]"):
+        P.loop_spec(SimpleNamespace(**shape, loop={**m.config.loop, "options": {"new_knob": 1}}))

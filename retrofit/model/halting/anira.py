@@ -32,13 +32,56 @@ straight-through weights, from ``L_CE``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ..config import LoopConfig
 from ..heads import DeciderFFN
-from .base import AuxLoss, HaltContext, HaltingMethod, LossConfig
+from .base import AuxLoss, HaltContext, HaltingMethod
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class AniraOptions:
+    """ANIRA-O's options (``LoopConfig.options`` when ``method="anira-o"``; docs/anira.md): its prior loss.
+
+    Args:
+        gamma: the weight ``γ`` of the KL-to-prior term ``L_C`` (§4). The seed tunes it by grid search (ANIRA
+            Appendix Table 5, values not in the seed); 0.01 is our default.
+        prior_base: the prior ``p(d) ∝ b^(-d)``; ``b = 1`` leaves only the entropy term (§4).
+    """
+
+    gamma: float = field(default=0.01, metadata={"help": "Weight γ of the KL-to-prior loss L_C."})
+    prior_base: float = field(
+        default=2.0, metadata={"help": "Base b of the depth prior p(d) ∝ b^(-d); 1 = entropy term only."}
+    )
+
+    def __post_init__(self):
+        if not _is_number(self.gamma) or self.gamma < 0:
+            raise ValueError(f"gamma must be a number >= 0, got {self.gamma!r}")
+        if not _is_number(self.prior_base) or not self.prior_base > 0:
+            raise ValueError(f"prior_base (b in p(d) ∝ b^(-d)) must be a number > 0, got {self.prior_base!r}")
+
+
+@dataclass
+class AniraEarlyOptions(AniraOptions):
+    """ANIRA-E's options: ANIRA-O's plus the temperature of its straight-through Gumbel-softmax.
+
+    Args:
+        gumbel_tau: the temperature of the training-time Gumbel-softmax sample of the depth.
+    """
+
+    gumbel_tau: float = field(default=1.0, metadata={"help": "Training: Gumbel-softmax temperature."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not _is_number(self.gumbel_tau) or not self.gumbel_tau > 0:
+            raise ValueError(f"gumbel_tau must be a number > 0, got {self.gumbel_tau!r}")
 
 
 def log_prior(max_depth: int, base: float, device=None) -> torch.Tensor:
@@ -68,7 +111,7 @@ def kl_to_prior(q: torch.Tensor, base: float, log_q: torch.Tensor | None = None)
     return (q * (log_q - lp)).sum(-1)
 
 
-def _prior_loss(q, log_q, attention_mask, cfg: LossConfig) -> AuxLoss:
+def _prior_loss(q, log_q, attention_mask, cfg: AniraOptions) -> AuxLoss:
     kl = kl_to_prior(q, cfg.prior_base, log_q)  # [B, T]
     mask = torch.ones_like(kl, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     n = mask.sum().clamp_min(1)
@@ -88,6 +131,7 @@ class AniraEarly(HaltingMethod):
     description = "ANIRA-E, which decides each token's depth once, before the loop"
     threshold_meaning = "allocation quantile of q"
     threshold_rule = "halt_mass"
+    Options = AniraEarlyOptions
     decider_runs = "once"
     vllm_supported = True
     paper_claims = ("depth_follows_level",)
@@ -111,7 +155,7 @@ class AniraEarly(HaltingMethod):
         ctx.extra["q_logits"] = logits
         if ctx.training:
             g = -torch.log(-torch.log(torch.rand_like(logits).clamp_(1e-10, 1.0 - 1e-7)))
-            y = ((logits + g) / self.loop.gumbel_tau).softmax(-1)
+            y = ((logits + g) / self.loop.method_options.gumbel_tau).softmax(-1)
             depth = y.argmax(-1) + 1
             ctx.extra["soft"] = y
         elif ctx.threshold is not None:
@@ -131,7 +175,7 @@ class AniraEarly(HaltingMethod):
             st = hard + soft - soft.detach()
         return q, st
 
-    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None, num_items_in_batch=None) -> AuxLoss | None:
+    def loss(self, outputs, labels, cfg: AniraOptions, attention_mask=None, num_items_in_batch=None) -> AuxLoss | None:
         """``γ · L_C`` over all non-padding tokens; ``log q`` from the raw depth logits (stable)."""
         if outputs.depth_probs is None:  # a forced depth: no decision was made
             return None
@@ -144,6 +188,7 @@ class AniraOnline(HaltingMethod):
     threshold_field = "halt_threshold"
     threshold_meaning = "cumulative halting mass u"
     threshold_rule = "halt_mass"
+    Options = AniraOptions
     decider_runs = "per_depth"
     vllm_supported = True
     paper_claims = ("depth_follows_level",)
@@ -193,7 +238,7 @@ class AniraOnline(HaltingMethod):
             st = hard + q - q.detach()
         return q, st
 
-    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None, num_items_in_batch=None) -> AuxLoss | None:
+    def loss(self, outputs, labels, cfg: AniraOptions, attention_mask=None, num_items_in_batch=None) -> AuxLoss | None:
         """``γ · L_C`` over all non-padding tokens."""
         if outputs.depth_probs is None:  # a forced depth: no decision was made
             return None

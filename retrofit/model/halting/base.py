@@ -21,7 +21,8 @@ the output is each token's exit-depth readout.
 The auxiliary loss: ``loss(outputs, labels, cfg, attention_mask=None, num_items_in_batch=None)`` returns the
 method's loss,
 already weighted (``α_D · L_D`` for TaH2, ``γ · L_C`` for ANIRA), plus detached scalars to log.
-The model's forward calls it with ``cfg = LoopConfig.loss_config`` whenever it gets labels, adds it
+The model's forward calls it with ``cfg = LoopConfig.method_options`` (the method's own ``Options``) whenever it
+gets labels, adds it
 to ``loss`` and exposes it as ``aux_loss`` (the mixture-of-experts convention TRL's trainers know).
 A method whose loss reads per-depth next-token losses sets ``needs_depth_losses`` (TaH2: the
 forward then runs the lookahead iteration). ``train_forward_kwargs(cfg)`` gives trainer-side
@@ -53,7 +54,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
 
-from ..config import LoopConfig, LossConfig
+from ..config import LoopConfig
 
 __all__ = [
     "THRESHOLD_RULES",
@@ -62,7 +63,6 @@ __all__ = [
     "ExitLogits",
     "HaltContext",
     "HaltingMethod",
-    "LossConfig",
     "NoOptions",
 ]
 
@@ -271,7 +271,7 @@ class HaltingMethod(nn.Module):
         self,
         outputs,
         labels: torch.Tensor,
-        cfg: LossConfig,
+        cfg,
         attention_mask: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> AuxLoss | None:
@@ -280,14 +280,15 @@ class HaltingMethod(nn.Module):
         Args:
             outputs: the ``LoopedCausalLMOutput`` of the forward (its fields, not its loss).
             labels: ``[B, T]`` unshifted labels (-100 = ignored), as given to the forward.
-            cfg: loss weights and switches (the model passes ``LoopConfig.loss_config``).
+            cfg: the method's options, its loss weights and switches among them (the model passes
+                ``LoopConfig.method_options``, an instance of the method's ``Options``).
             attention_mask: ``[B, T]`` 1 for real tokens; ``None`` = every token is real.
             num_items_in_batch: the labelled tokens of every rank and accumulation step (what the Trainer
                 passes to the forward), or None; a method whose ``aux_loss_per_item`` is true divides by it.
         """
         return None
 
-    def aux_loss_per_item(self, cfg: LossConfig) -> bool:
+    def aux_loss_per_item(self, cfg) -> bool:
         """``loss(..., num_items_in_batch=N)`` divides by ``N`` (TaH2 with ``decider_loss_scope="global"``): a
         trainer then scales the auxiliary loss exactly as it scales the LM loss (no division by the
         accumulation steps). False: the auxiliary loss is a mean over this micro-batch."""
@@ -308,9 +309,7 @@ class HaltingMethod(nn.Module):
         """
         return None
 
-    def decider_phase_loss(
-        self, outputs, labels: torch.Tensor, cfg: LossConfig, num_items_in_batch=None
-    ) -> AuxLoss | None:
+    def decider_phase_loss(self, outputs, labels: torch.Tensor, cfg, num_items_in_batch=None) -> AuxLoss | None:
         """The loss of the decider-only phase (``forward(decider_phase=True)``: the trainer has frozen everything
         but the decider, after the backbone learned every depth). None: the method's usual loss, which then only
         moves the decider (ANIRA: its straight-through weights and KL reach the decider). TaH2 returns its

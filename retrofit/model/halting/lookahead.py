@@ -146,9 +146,9 @@ def lookahead_labels(
         token_mask: ``[B, T]`` bool, positions with a next-token label (``next_token_mask``).
         rho: cutoff mass ρ (0.99; 1.0 keeps every positive gain).
         n_decisions: how many decisions the forward made (``halt_signals.shape[-1]``); default D - 1.
-        scope: ``"per-boundary"`` or ``"pooled"`` (``LossConfig.kappa_scope``).
+        scope: ``"per-boundary"`` or ``"pooled"`` (``TaH2Options.kappa_scope``).
         gather: pool every ``torch.distributed`` rank's candidate gains for each cutoff
-            (``LossConfig.kappa_gather``). Every rank makes the same calls: one cutoff (pooled) or ``D - 1``
+            (``TaH2Options.kappa_gather``). Every rank makes the same calls: one cutoff (pooled) or ``D - 1``
             (per boundary, a boundary this rank made no decision at included).
 
     Returns:

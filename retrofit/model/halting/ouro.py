@@ -46,7 +46,7 @@ from torch import nn
 from ..config import LoopConfig
 from ..heads import tag_init
 from .anira import online_distribution
-from .base import AuxLoss, HaltContext, HaltingMethod, LossConfig
+from .base import AuxLoss, HaltContext, HaltingMethod
 from .tah2 import next_token_mask
 
 
@@ -160,7 +160,7 @@ class Ouro(HaltingMethod):
             denom, device=ce.device
         )
 
-    def decider_phase_loss(self, outputs, labels, cfg: LossConfig, num_items_in_batch=None) -> AuxLoss | None:
+    def decider_phase_loss(self, outputs, labels, cfg, num_items_in_batch=None) -> AuxLoss | None:
         """Stage II: BCE of ``1 − λ_t`` against ``σ(k (max(0, L^(t) − L^(t+1)) − γ))``, mean over labelled
         tokens and decisions."""
         if outputs.halt_signals is None or outputs.depth_nll is None:

@@ -41,6 +41,8 @@ step's labelled tokens) under ``decider_loss_scope="global"``, so a trainer scal
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -48,7 +50,7 @@ import torch.nn.functional as F
 
 from ..config import LoopConfig
 from ..heads import DeciderFFN, SwiGLUDecider, release_decider_width
-from .base import AuxLoss, DepthCombiner, ExitLogits, HaltContext, HaltingMethod, LossConfig
+from .base import AuxLoss, DepthCombiner, ExitLogits, HaltContext, HaltingMethod
 
 # the lookahead labels live in their own module; importable from here as before
 from .lookahead import (  # noqa: F401
@@ -60,6 +62,170 @@ from .lookahead import (  # noqa: F401
     next_token_mask,
 )
 
+DECIDER_LOSS_NORMS = ("tokens", "weights")
+KAPPA_SCOPES = ("per-boundary", "pooled")
+DECIDER_LOSS_SCOPES = ("global", "local")
+TRAIN_DECISIONS = ("threshold", "sample")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class TaH2Options:
+    """TaH2's own options (``LoopConfig.options`` when ``method="tah2"``; docs/tah2.md): its output, its training
+    decisions and the weights and switches of its decider loss. The defaults are the authors' release.
+
+    Args:
+        alpha_d: the decider-loss weight ``α_D`` in ``L = L_NTP + α_D · L_D`` (§3: 0.05).
+        rho: the cutoff mass ``ρ``: the kept positive gains cover this share of the batch's total
+            positive gain (§3: 0.99). ``1.0`` keeps every positive gain (the seed's "ρ = 1" ablation).
+        decider_weighting: the BCE weights: ``"distance"`` = ``|δ - κ|`` (cost-sensitive, §3) or
+            ``"uniform"`` (the seed's ablation, −3.6 points).
+        dyn_pos_weight: the release: the BCE's ``pos_weight`` at each decision depth is the batch's
+            negative/positive label ratio there (summed over data-parallel ranks), clamped to
+            ``[0.02, 50]`` (1 when either class is absent), so "continue" and "stop" weigh the same in
+            total whatever their frequency. ``False``: the static ``pos_weight``.
+        pos_weight: the static ``pos_weight`` when ``dyn_pos_weight`` is off (1 = plain BCE).
+        cost_min, cost_max: the release: the cost-sensitive weights ``|δ - κ|`` are clamped to
+            ``[cost_min, cost_max]`` (``1e-6``, ``1``), so a few decisions with huge gains or losses
+            cannot dominate the loss; ``cost_max=None`` leaves them unbounded (retrofit < 0.2).
+        decider_loss_norm: ``"tokens"``: ``L_D = Σ w · BCE / N`` with ``N`` the labelled tokens (the
+            release divides by ``num_items_in_batch``); ``"weights"``: ``Σ w · BCE / Σ w`` (retrofit < 0.2),
+            which makes ``L_D`` independent of the gains' scale.
+        bce_margin: the release: BCE on ``logit - m·(2y - 1)``: positives are pushed above ``+m``
+            and negatives below ``-m`` in logit space (0 = plain BCE).
+        kappa_scope: the cutoff κ at ``max_depth >= 3`` (docs/tah2.md, "lookahead labels"):
+            ``"per-boundary"`` (the release): one κ per depth boundary ``d``, over the tokens labelled
+            "continue" at ``d - 1`` that executed depth ``d``; the other decisions at ``d`` are "stop" with
+            weight ``cost_min``. ``"pooled"`` (retrofit < 0.3): one κ over every decision of the batch, every
+            decision at weight ``|δ - κ|``. The two are identical at ``max_depth = 2``.
+        kappa_gather: the release: under ``torch.distributed`` the candidates' positive gains are gathered
+            from every rank, so every rank labels with the same κ; ``False``: κ per process.
+        decider_loss_scope: ``N`` of ``decider_loss_norm="tokens"``: ``"global"`` (the release) = the forward's
+            ``num_items_in_batch`` (every rank's and accumulation step's labelled tokens), the trainer then
+            scaling the auxiliary loss like the LM loss; ``"local"`` (retrofit < 0.3) = this micro-batch's
+            labelled tokens, the trainer dividing by the accumulation steps.
+        mixture_output: TaH2's output = the halting-weighted mixture of the per-depth distributions (§3);
+            ``False`` is the seed's "final-depth prediction only" ablation.
+        train_decisions: the training-time depth choice: ``"threshold"`` (on-policy, the inference rule, §3) or
+            ``"sample"`` (Bernoulli on the continue probability, the seed's ablation).
+    """
+
+    #: what a checkpoint written before an option existed was trained with (``LoopConfig.from_dict``): retrofit
+    #: < 0.2 had none of the release's loss guards, < 0.3 one pooled κ per process and a per-micro-batch normalizer
+    LEGACY_VALUES: ClassVar[dict] = {
+        "dyn_pos_weight": False,
+        "cost_min": 0.0,
+        "cost_max": None,
+        "decider_loss_norm": "weights",
+        "kappa_scope": "pooled",
+        "kappa_gather": False,
+        "decider_loss_scope": "local",
+    }
+
+    alpha_d: float = field(default=0.05, metadata={"help": "weight α_D of the decider loss."})
+    rho: float = field(
+        default=0.99,
+        metadata={"help": "cutoff mass ρ of the lookahead labels; 1.0 = every positive gain."},
+    )
+    decider_weighting: str = field(
+        default="distance",
+        metadata={"help": "BCE weights, 'distance' = |δ - κ| or 'uniform' (ablation)."},
+    )
+    dyn_pos_weight: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "BCE pos_weight = the batch's negative/positive label ratio per depth, clamped to "
+                "(the authors' release); false = the static --pos_weight."
+            )
+        },
+    )
+    pos_weight: float = field(default=1.0, metadata={"help": "static BCE pos_weight when --dyn_pos_weight false."})
+    cost_min: float = field(default=1e-6, metadata={"help": "lower clamp of the cost-sensitive weights |δ - κ|."})
+    cost_max: float | None = field(
+        default=1.0, metadata={"help": "upper clamp of the cost-sensitive weights; inf = unbounded."}
+    )
+    decider_loss_norm: str = field(
+        default="tokens",
+        metadata={"help": ("L_D = Σ w·BCE / labelled tokens ('tokens', the release) or / Σ w ('weights').")},
+    )
+    bce_margin: float = field(default=0.0, metadata={"help": "BCE margin m in logit space (the release's bce_margin)."})
+    kappa_scope: str = field(
+        default="per-boundary",
+        metadata={
+            "help": (
+                "At max_depth >= 3: 'per-boundary' = one cutoff κ per depth boundary over the tokens "
+                "labelled continue at the boundary before, the others' later decisions at weight cost_min "
+                "(the release); 'pooled' = one κ over every decision. Identical at max_depth 2."
+            )
+        },
+    )
+    kappa_gather: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "Gather the cutoff's gains from every data-parallel rank, so all ranks use one κ (the"
+                " release); false = κ per process."
+            )
+        },
+    )
+    decider_loss_scope: str = field(
+        default="global",
+        metadata={
+            "help": (
+                "'global' = divide L_D by num_items_in_batch (labelled tokens of every rank and "
+                "accumulation step) and scale it like the LM loss (the release); 'local' = divide by the "
+                "micro-batch's labelled tokens and by the accumulation steps."
+            )
+        },
+    )
+
+    mixture_output: bool = field(
+        default=True, metadata={"help": "mixture of per-depth outputs; false = final depth only (ablation)."}
+    )
+    train_decisions: str = field(
+        default="threshold", metadata={"help": "'threshold' (on-policy) or 'sample' (ablation)."}
+    )
+
+    def __post_init__(self):
+        if not _is_number(self.rho) or not 0.0 < self.rho <= 1.0:
+            raise ValueError(f"rho must lie in (0, 1], got {self.rho!r}")
+        if self.decider_weighting not in ("distance", "uniform"):
+            raise ValueError(f"decider_weighting must be 'distance' or 'uniform', got {self.decider_weighting!r}")
+        if not _is_number(self.alpha_d) or self.alpha_d < 0:
+            raise ValueError(f"alpha_d must be a number >= 0, got {self.alpha_d!r}")
+        if not isinstance(self.dyn_pos_weight, bool):
+            raise ValueError(f"dyn_pos_weight must be true or false, got {self.dyn_pos_weight!r}")
+        if not _is_number(self.pos_weight) or not self.pos_weight > 0:
+            raise ValueError(f"pos_weight must be a number > 0, got {self.pos_weight!r}")
+        if not _is_number(self.cost_min) or self.cost_min < 0:
+            raise ValueError(f"cost_min must be a number >= 0, got {self.cost_min!r}")
+        if self.cost_max is not None and (not _is_number(self.cost_max) or not self.cost_max > self.cost_min):
+            raise ValueError(f"cost_max must be None (no upper clamp) or a number > cost_min, got {self.cost_max!r}")
+        if self.decider_loss_norm not in DECIDER_LOSS_NORMS:
+            raise ValueError(
+                f"decider_loss_norm must be one of {', '.join(DECIDER_LOSS_NORMS)}, got {self.decider_loss_norm!r}"
+            )
+        if not _is_number(self.bce_margin) or self.bce_margin < 0:
+            raise ValueError(f"bce_margin must be a number >= 0, got {self.bce_margin!r}")
+        if self.kappa_scope not in KAPPA_SCOPES:
+            raise ValueError(f"kappa_scope must be one of {', '.join(KAPPA_SCOPES)}, got {self.kappa_scope!r}")
+        if not isinstance(self.kappa_gather, bool):
+            raise ValueError(f"kappa_gather must be true or false, got {self.kappa_gather!r}")
+        if self.decider_loss_scope not in DECIDER_LOSS_SCOPES:
+            raise ValueError(
+                f"decider_loss_scope must be one of {', '.join(DECIDER_LOSS_SCOPES)}, got {self.decider_loss_scope!r}"
+            )
+        if not isinstance(self.mixture_output, bool):
+            raise ValueError(f"mixture_output must be true or false, got {self.mixture_output!r}")
+        if self.train_decisions not in TRAIN_DECISIONS:
+            raise ValueError(
+                f"train_decisions must be one of {', '.join(TRAIN_DECISIONS)}, got {self.train_decisions!r}"
+            )
+
 
 class TaH2(HaltingMethod):
     name = "tah2"
@@ -70,6 +236,7 @@ class TaH2(HaltingMethod):
     threshold_field = "exit_threshold"
     threshold_meaning = "τ_exit (continue iff c >= τ)"
     threshold_rule = "continue_at_or_above"
+    Options = TaH2Options
     decider_runs = "per_depth"
     vllm_supported = True
     #: the release's behaviour for the model-side fields a LoopConfig leaves None (docs/tah2.md)
@@ -84,11 +251,14 @@ class TaH2(HaltingMethod):
 
     @classmethod
     def reads_every_depth(cls, loop) -> bool:
-        return loop.decider_top_k is None or loop.decider_top_k > 0 or loop.mixture_output
+        return loop.decider_top_k is None or loop.decider_top_k > 0 or loop.method_options.mixture_output
 
     @classmethod
     def card_rows(cls, loop) -> list[tuple[str, str]]:
-        return [("exit threshold τ", str(loop.exit_threshold)), ("mixture output", str(loop.mixture_output))]
+        return [
+            ("exit threshold τ", str(loop.exit_threshold)),
+            ("mixture output", str(loop.method_options.mixture_output)),
+        ]
 
     @classmethod
     def resolve_shapes(cls, loop, hidden_size: int, updater_params: int, base_params: int) -> dict:
@@ -116,13 +286,18 @@ class TaH2(HaltingMethod):
             self.decider = DeciderFFN(2 * hidden_size + self.top_k, self.decider_hidden, 1, loop.deep_init_logit)
 
     @property
+    def options(self) -> TaH2Options:
+        """This model's ``TaH2Options`` (read from ``self.loop``, which the model may replace)."""
+        return self.loop.method_options
+
+    @property
     def mixture_output(self) -> bool:
-        return self.loop.mixture_output
+        return self.options.mixture_output
 
     @property
     def needs_depth_readout(self) -> bool:
         """The decider reads the depth's top-K probabilities, or the output mixes every depth."""
-        return self.top_k > 0 or self.loop.mixture_output
+        return self.top_k > 0 or self.options.mixture_output
 
     def continue_logit(self, e: torch.Tensor, h: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
         """``e``, ``h``: ``[..., H]`` (``h``: the state ``s_d`` of ``LoopConfig.decider_state``); ``probs``:
@@ -148,7 +323,7 @@ class TaH2(HaltingMethod):
         c = torch.sigmoid(logit)
         ctx.signals.append(c)
         ctx.extra.setdefault("halt_logits", []).append(logit)
-        if ctx.training and self.loop.train_decisions == "sample":
+        if ctx.training and self.options.train_decisions == "sample":
             return torch.bernoulli(c.detach()).bool()
         tau = self.loop.exit_threshold if ctx.threshold is None else ctx.threshold
         return c >= tau
@@ -173,11 +348,11 @@ class TaH2(HaltingMethod):
             return {"decider_threshold": self.loop.exit_threshold * step / w}
         return {}
 
-    def aux_loss_per_item(self, cfg: LossConfig) -> bool:
+    def aux_loss_per_item(self, cfg: TaH2Options) -> bool:
         """``L_D`` is divided by the forward's ``num_items_in_batch`` (``decider_loss_scope="global"``)."""
         return cfg.decider_loss_norm == "tokens" and cfg.decider_loss_scope == "global"
 
-    def loss(self, outputs, labels, cfg: LossConfig, attention_mask=None, num_items_in_batch=None) -> AuxLoss | None:
+    def loss(self, outputs, labels, cfg: TaH2Options, attention_mask=None, num_items_in_batch=None) -> AuxLoss | None:
         """``α_D · L_D`` (§3) from ``outputs.depth_nll`` and the decider's logits ``outputs.halt_logits``.
 
         Only positions with a next-token label (``labels[:, t + 1] != -100``) get decider labels:
@@ -215,7 +390,7 @@ class TaH2(HaltingMethod):
             metrics["decider_loss"] = l_d.detach() * n_global / n_local.clamp_min(1)
         return AuxLoss(cfg.alpha_d * l_d, metrics)
 
-    def decider_phase_loss(self, outputs, labels, cfg: LossConfig, num_items_in_batch=None) -> AuxLoss | None:
+    def decider_phase_loss(self, outputs, labels, cfg: TaH2Options, num_items_in_batch=None) -> AuxLoss | None:
         """The decider-only phase: ``L_D`` alone (unweighted), the BCE against the lookahead labels on the frozen
         backbone (the first TaH paper's second stage, with TaH2's labels)."""
         return self.loss(outputs, labels, dataclasses.replace(cfg, alpha_d=1.0), num_items_in_batch=num_items_in_batch)
@@ -335,7 +510,7 @@ def dynamic_pos_weight(y: torch.Tensor, decided: torch.Tensor, n_slots: int | No
 def decider_loss(
     logits: torch.Tensor,
     lab: LookaheadLabels,
-    cfg: LossConfig | None = None,
+    cfg: TaH2Options | None = None,
     n_tokens: torch.Tensor | int | None = None,
     exit_threshold: float = 0.5,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -355,7 +530,7 @@ def decider_loss(
     Args:
         logits: ``[B, T, k]`` continue logits (``outputs.halt_logits``; ``σ`` of them is ``halt_signals``).
         lab: ``lookahead_labels`` output (the common prefix of its ``K`` and ``k`` decisions is used).
-        cfg: the loss switches (``LossConfig``; default: its defaults).
+        cfg: the loss switches (``TaH2Options``; default: its defaults, the release's).
         n_tokens: ``N`` of the ``"tokens"`` normalization: the labelled tokens of this batch, or the global
             ``num_items_in_batch`` (``TaH2.loss`` under ``decider_loss_scope="global"``); default: the number of
             tokens that made at least one decision.
@@ -366,7 +541,7 @@ def decider_loss(
         ``kappa`` (the first boundary's; ``kappa_2`` … the later ones per boundary), ``continue_label_rate``,
         ``decider_accuracy``, ``decisions``, ``pos_weight``.
     """
-    cfg = LossConfig() if cfg is None else cfg
+    cfg = TaH2Options() if cfg is None else cfg
     K = min(logits.shape[-1], lab.labels.shape[-1])
     s = logits[..., :K].float()
     m = lab.decided[..., :K]
