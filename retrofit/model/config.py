@@ -141,19 +141,16 @@ class LoopConfig:
         updater, decider_state, decider_width_rule, decider_topk_grad, decider_init, padding_stops: ``None`` =
             the method's default (its ``loop_defaults``, else ``GENERIC_DEFAULTS``: the release's for TaH2), resolved
             on construction.
-        exit_threshold: TaH2's ``τ_exit``: a token stops at the first depth whose continue
-            probability is below it (§3: 0.5).
-        halt_threshold: ANIRA-O inference: the token stops at the first depth where the cumulative
-            halting mass reaches this value (0.5 = the median depth, §4); lower = shallower.
         fixed_graph: Always unroll all ``max_depth`` iterations, even when every token has exited.
             Needed under DeepSpeed ZeRO-3, whose trace cache thrashes on dynamic control flow, and under FSDP,
             whose per-layer all-gathers hang when the ranks run the core a different number of times; the
             recipes set it under both (``retrofit.training.model_setup.sharded_training``). The extra iterations
             change no token: losses and gradients are the same.
         options: The method's own options (the fields of its ``Options`` dataclass, in the method's module:
-            ``TaH2Options``, ``AniraOptions``, ``OuroOptions``), validated and completed with their defaults; a
-            method without options takes none. ``LoopConfig.from_fields`` takes them by name too, and
-            ``from_dict`` moves the flat fields of checkpoints written before the nesting into them.
+            ``TaH2Options``, ``AniraOnlineOptions``, ``AniraEarlyOptions``, ``OuroOptions``), validated and
+            completed with their defaults; a method without options takes none. ``LoopConfig.from_fields``
+            takes them by name too, and ``from_dict`` moves the flat fields of checkpoints written before the
+            nesting into them.
         deep_init_logit: Initial logit of the deciders' "continue" choice (ANIRA, and TaH2's ``"ffn"``
             decider). Deciders start deep (they continue at init) because shallow starts trap training
             (an ACT finding).
@@ -259,13 +256,6 @@ class LoopConfig:
             )
         },
     )
-    exit_threshold: float = field(
-        default=0.5, metadata={"help": "tah2: τ_exit, stop at the first depth whose continue prob < τ."}
-    )
-    halt_threshold: float = field(
-        default=0.5,
-        metadata={"help": ("anira-o inference: stop once the cumulative halting mass reaches it (0.5 = median).")},
-    )
     fixed_graph: bool = field(
         default=False,
         metadata={
@@ -303,10 +293,6 @@ class LoopConfig:
             raise LoopConfigError(f"prelude must be an integer >= 0 (number of leading layers), got {self.prelude!r}")
         if self.core is not None and (not _is_int(self.core) or self.core < 1):
             raise LoopConfigError(f"core must be None (all remaining layers) or an integer >= 1, got {self.core!r}")
-        for name in ("exit_threshold", "halt_threshold"):
-            v = getattr(self, name)
-            if not _is_number(v) or not 0.0 < v < 1.0:
-                raise LoopConfigError(f"{name} must be a number strictly between 0 and 1, got {v!r}")
         for name, default in GENERIC_DEFAULTS.items():  # None: the method's own (resolved, so to_dict stores it)
             if getattr(self, name) is None:
                 setattr(self, name, cls.loop_defaults.get(name, default))

@@ -206,6 +206,19 @@ def calibrate(looped, tokenizer, script: ScriptArgs, splits, seed: int, out: Pat
     return res
 
 
+def _run_and_close(spec: RecipeSpec) -> int:
+    """``run_recipe``, then, after a run that succeeded, the process group torch.distributed was given shut down
+    (PyTorch's documented shutdown; a rank that exits with its group alive can abort in the C++ teardown,
+    "terminate called without an active exception", once seen here on 2 CPU processes under ZeRO-3). A failed run
+    leaves it alone: destroying it while another rank may still be in a collective can hang."""
+    rc = run_recipe(spec)
+    import torch.distributed as dist
+
+    if rc == 0 and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return rc
+
+
 def recipe_main(spec: RecipeSpec) -> None:
     """``if __name__ == "__main__": recipe_main(SPEC)``: bad input ends in one ``error:`` line, exit code 2
     (``retrofit.model.errors.run_cli``)."""
@@ -216,4 +229,4 @@ def recipe_main(spec: RecipeSpec) -> None:
 
     if not torch.cuda.is_available():  # DeepSpeed (imported by the trainer) would warn that it fell back to the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    sys.exit(run_cli(run_recipe, spec))
+    sys.exit(run_cli(_run_and_close, spec))

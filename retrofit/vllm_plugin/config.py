@@ -71,15 +71,16 @@ INFERENCE_FIELDS = (
     "decider_width_rule",
     "decider_top_k",
     "decider_arch",
+    # flat before retrofit 0.4; then in options
     "exit_threshold",
     "halt_threshold",
-    "mixture_output",  # flat before retrofit 0.4; then options["mixture_output"]
+    "mixture_output",
     "options",  # a method's own options (retrofit >= 0.4; earlier checkpoints store them as flat fields)
 )
 #: the methods' own options (``config.loop["options"]``) the plugin reads; the others only shape training
 #: (the loss weights, the training decisions) and are ignored. Keep in step with the methods' ``Options``
 #: dataclasses (tests/vllm_plugin/test_vllm_plugin_config.py checks it).
-SERVED_OPTIONS = {"tah2": ("mixture_output",)}
+SERVED_OPTIONS = {"tah2": ("exit_threshold", "mixture_output"), "anira-o": ("halt_threshold",)}
 TRAINING_ONLY_OPTIONS = {
     "tah2": (
         "alpha_d",
@@ -233,8 +234,8 @@ def loop_spec(config) -> LoopSpec:
         or (H if loop.get("decider_width_rule", "quarter") == "release" else max(1, H // 4)),
         top_k=H if loop.get("decider_top_k", 10) is None else loop.get("decider_top_k", 10),
         decider_arch=loop.get("decider_arch", "ffn"),  # absent: written before the release's decider existed
-        exit_threshold=float(loop.get("exit_threshold", 0.5)),
-        halt_threshold=float(loop.get("halt_threshold", 0.5)),
+        exit_threshold=float(options.get("exit_threshold", loop.get("exit_threshold", 0.5))),
+        halt_threshold=float(options.get("halt_threshold", loop.get("halt_threshold", 0.5))),
         mixture_output=bool(options.get("mixture_output", loop.get("mixture_output", True))),
         updater=loop.get("updater", "residual"),
         decider_state=loop.get("decider_state", "core"),

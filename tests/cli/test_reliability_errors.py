@@ -243,7 +243,12 @@ def test_recipe_bad_loop_config_is_one_line(tah2, tmp_path, capsys, extra, needl
     "name, extra, needle",
     [
         ("anira_llama", ["--method", "anira-x"], "--method must be anira-e or anira-o, got 'anira-x'"),
-        ("anira_llama", ["--halt_threshold", "0"], "halt_threshold must be a number strictly between 0 and 1"),
+        (
+            "anira_llama",
+            ["--method", "anira-o", "--halt_threshold", "0"],
+            "halt_threshold must be a number strictly between 0 and 1",
+        ),
+        ("anira_llama", ["--halt_threshold", "0.3"], "halt_threshold is an option of method anira-o, not of 'anira-e'"),
         ("fixed_loop", ["--max_depth", "65"], "above the limit of 64"),
         ("tah2_qwen3", ["--max_depth", "-1"], "max_depth must be an integer >= 1"),
     ],

@@ -77,8 +77,8 @@ def test_calibrated_threshold_gives_the_share_in_a_separate_pass(tok, method):
     rows = _rows()
     res = calibrate_stop_share(model, tok, rows, 0.4, progress=False)
     field = {"tah2": "exit_threshold", "anira-o": "halt_threshold"}[method]
-    assert res["field"] == field and model.config.loop[field] == res["threshold"]
-    assert getattr(model.loop, field) == pytest.approx(res["threshold"])
+    assert res["field"] == field and model.config.loop["options"][field] == res["threshold"]  # the method's option
+    assert getattr(model.loop.method_options, field) == pytest.approx(res["threshold"])
     assert abs(res["realized_stop_share"] - 0.4) <= 1.0 / res["n_decisions"] + 1e-9
     opts = EvalOptions(accuracy="teacher_forced_argmax", progress=False, batch_size=5)
     exs = prepare(rows, tok, opts)
@@ -133,7 +133,7 @@ def test_write_threshold_into_a_saved_checkpoint(tmp_path):
     model.save_pretrained(tmp_path / "final")
     assert write_threshold(tmp_path / "final", "exit_threshold", 0.8731)
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    assert back.loop.exit_threshold == pytest.approx(0.8731)
+    assert back.loop.method_options.exit_threshold == pytest.approx(0.8731)
     (tmp_path / "adapter").mkdir()
     assert not write_threshold(tmp_path / "adapter", "exit_threshold", 0.5)  # no looped config: untouched
 

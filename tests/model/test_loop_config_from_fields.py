@@ -26,9 +26,10 @@ OTHER_OPTIONS = {
         "decider_loss_scope": "local",
         "mixture_output": False,
         "train_decisions": "sample",
+        "exit_threshold": 0.3,
     },
     "anira-e": {"gamma": 0.02, "prior_base": 1.5, "gumbel_tau": 0.5},
-    "anira-o": {"gamma": 0.02, "prior_base": 1.5},
+    "anira-o": {"gamma": 0.02, "prior_base": 1.5, "halt_threshold": 0.4},
     "ouro": {"exit_q": 0.7, "entropy_beta": 0.1, "gate_k": 20.0, "gate_gamma": 0.01},
 }
 
@@ -39,11 +40,9 @@ OTHER = {
     "max_depth": 4,
     "method": "anira-o",
     "attention": "duo-causal",
-    "exit_threshold": 0.3,
     "decider_top_k": 7,
     "decider_arch": "ffn",
     "decider_init_std": 0.02,
-    "halt_threshold": 0.4,
     "updater_hidden": 33,
     "decider_hidden": 9,
     "deep_init_logit": 1.5,

@@ -302,7 +302,8 @@ def test_base_checkpoint_loads_into_looped_class(tmp_path):
         (dict(attention="bidirectional"), "allowed: duo-causal, same-depth"),
         (dict(core=0), "core must be None"),
         (dict(prelude=-1), "prelude must be an integer >= 0"),
-        (dict(exit_threshold=1.5), "strictly between 0 and 1"),
+        (dict(options={"exit_threshold": 1.5}), "tah2 options: exit_threshold must be a number strictly between 0"),
+        (dict(method="anira-o", options={"halt_threshold": 0.0}), "halt_threshold must be a number strictly between"),
     ],
 )
 def test_invalid_loop_configs_raise(kwargs, match):

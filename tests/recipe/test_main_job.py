@@ -106,9 +106,9 @@ def test_main_job_tiny_budget(tmp_path):
     cal = summary["calibration"]
     assert cal["field"] == "exit_threshold" and cal["stop_share"] == 0.5 and cal["n_rows"] == 24
     assert abs(cal["realized_stop_share"] - 0.5) <= 0.5 / cal["n_decisions"] + 0.05  # ties may hold it off 0.5
-    assert summary["loop"]["exit_threshold"] == pytest.approx(cal["threshold"])
+    assert summary["loop"]["options"]["exit_threshold"] == pytest.approx(cal["threshold"])  # TaH2's option
     saved = json.loads((out / "final-merged" / "config.json").read_text())
-    assert saved["loop"]["exit_threshold"] == pytest.approx(cal["threshold"])
+    assert saved["loop"]["options"]["exit_threshold"] == pytest.approx(cal["threshold"])
     assert str(out / "final-merged") in cal["saved_in"]
     forced = summary["looped_forced_depth_accuracy"]
     assert set(forced) == {"1", "2"} and all(0.0 <= a <= 1.0 for a in forced.values())

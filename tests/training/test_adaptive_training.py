@@ -107,8 +107,11 @@ def test_decider_without_probability_features_needs_no_per_depth_readout():
 # call-time thresholds (the frontier's knob; TaH2's threshold warm-up)
 # ------------------------------------------------------------------------------------------------
 def _with_loop(m, **fields):
-    """The same weights under a model built with other LoopConfig fields."""
-    other = retrofit.convert(tiny_base("llama"), LoopConfig(**{**m.loop.to_dict(), **fields})).eval()
+    """The same weights under a model built with other LoopConfig fields or method options."""
+    d = m.loop.to_dict()
+    opts = {k: fields.pop(k) for k in list(fields) if k in d["options"]}
+    loop = LoopConfig(**{**d, **fields, "options": {**d["options"], **opts}})
+    other = retrofit.convert(tiny_base("llama"), loop).eval()
     other.load_state_dict(m.state_dict())
     return other
 

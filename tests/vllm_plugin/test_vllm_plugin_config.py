@@ -89,3 +89,14 @@ def test_plugin_reads_the_output_mixture_from_the_options_or_the_flat_field():
     )
     with pytest.raises(P.LoopSpecError, match=r"tah2 options this plugin does not know: \['new_knob'\]"):
         P.loop_spec(SimpleNamespace(**shape, loop={**m.config.loop, "options": {"new_knob": 1}}))
+
+
+def test_plugin_reads_the_decider_thresholds_from_the_options_or_the_flat_fields():
+    """TaH2's ``exit_threshold`` and ANIRA-O's ``halt_threshold`` are method options; older checkpoints store them
+    flat. The plugin serves the calibrated value either way (a default 0.5 would silently serve another model)."""
+    shape = {"num_hidden_layers": 6, "hidden_size": 64}
+    for method, name in (("tah2", "exit_threshold"), ("anira-o", "halt_threshold")):
+        m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(method=method, options={name: 0.27}))
+        assert getattr(P.loop_spec(m.config), name) == 0.27
+        flat = {k: v for k, v in m.config.loop.items() if k != "options"}
+        assert getattr(P.loop_spec(SimpleNamespace(**shape, loop={**flat, name: 0.31})), name) == 0.31

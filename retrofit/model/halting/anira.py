@@ -48,7 +48,8 @@ def _is_number(v) -> bool:
 
 @dataclass
 class AniraOptions:
-    """ANIRA-O's options (``LoopConfig.options`` when ``method="anira-o"``; docs/anira.md): its prior loss.
+    """The options both ANIRA methods have (docs/anira.md): their prior loss. ``LoopConfig.options`` holds
+    ``AniraOnlineOptions`` for ``method="anira-o"`` and ``AniraEarlyOptions`` for ``"anira-e"``.
 
     Args:
         gamma: the weight ``γ`` of the KL-to-prior term ``L_C`` (§4). The seed tunes it by grid search (ANIRA
@@ -69,8 +70,28 @@ class AniraOptions:
 
 
 @dataclass
+class AniraOnlineOptions(AniraOptions):
+    """ANIRA-O's options: the prior loss's plus its inference threshold.
+
+    Args:
+        halt_threshold: inference: a token stops at the first depth where its cumulative halting mass reaches this
+            value (0.5 = the median depth, §4); lower = shallower. The frontier and calibration move it.
+    """
+
+    halt_threshold: float = field(
+        default=0.5,
+        metadata={"help": "Inference: stop once the cumulative halting mass reaches it (0.5 = the median depth)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not _is_number(self.halt_threshold) or not 0.0 < self.halt_threshold < 1.0:
+            raise ValueError(f"halt_threshold must be a number strictly between 0 and 1, got {self.halt_threshold!r}")
+
+
+@dataclass
 class AniraEarlyOptions(AniraOptions):
-    """ANIRA-E's options: ANIRA-O's plus the temperature of its straight-through Gumbel-softmax.
+    """ANIRA-E's options: the prior loss's plus the temperature of its straight-through Gumbel-softmax.
 
     Args:
         gumbel_tau: the temperature of the training-time Gumbel-softmax sample of the depth.
@@ -188,14 +209,14 @@ class AniraOnline(HaltingMethod):
     threshold_field = "halt_threshold"
     threshold_meaning = "cumulative halting mass u"
     threshold_rule = "halt_mass"
-    Options = AniraOptions
+    Options = AniraOnlineOptions
     decider_runs = "per_depth"
     vllm_supported = True
     paper_claims = ("depth_follows_level",)
 
     @classmethod
     def card_rows(cls, loop) -> list[tuple[str, str]]:
-        return [("halt threshold", str(loop.halt_threshold))]
+        return [("halt threshold", str(loop.method_options.halt_threshold))]
 
     @classmethod
     def continue_probabilities(cls, out, max_depth: int) -> torch.Tensor:
@@ -212,7 +233,7 @@ class AniraOnline(HaltingMethod):
         if ctx.training:
             ctx.extra["u"] = torch.rand(B, T, device=e.device)
         else:
-            u = self.loop.halt_threshold if ctx.threshold is None else ctx.threshold
+            u = self.loop.method_options.halt_threshold if ctx.threshold is None else ctx.threshold
             ctx.extra["u"] = torch.full((B, T), u, device=e.device)
         ctx.extra["cdf"] = torch.zeros(B, T, device=e.device)
         ctx.extra["remain"] = torch.ones(B, T, device=e.device)

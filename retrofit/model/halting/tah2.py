@@ -107,6 +107,8 @@ class TaH2Options:
             ``num_items_in_batch`` (every rank's and accumulation step's labelled tokens), the trainer then
             scaling the auxiliary loss like the LM loss; ``"local"`` (retrofit < 0.3) = this micro-batch's
             labelled tokens, the trainer dividing by the accumulation steps.
+        exit_threshold: ``τ_exit``: a token stops at the first depth whose continue probability is below it (§3:
+            0.5), in training (on-policy) and at inference; the frontier and calibration move it.
         mixture_output: TaH2's output = the halting-weighted mixture of the per-depth distributions (§3);
             ``False`` is the seed's "final-depth prediction only" ablation.
         train_decisions: the training-time depth choice: ``"threshold"`` (on-policy, the inference rule, §3) or
@@ -183,6 +185,9 @@ class TaH2Options:
         },
     )
 
+    exit_threshold: float = field(
+        default=0.5, metadata={"help": "τ_exit: a token stops at the first depth whose continue probability is < τ."}
+    )
     mixture_output: bool = field(
         default=True, metadata={"help": "mixture of per-depth outputs; false = final depth only (ablation)."}
     )
@@ -219,6 +224,8 @@ class TaH2Options:
             raise ValueError(
                 f"decider_loss_scope must be one of {', '.join(DECIDER_LOSS_SCOPES)}, got {self.decider_loss_scope!r}"
             )
+        if not _is_number(self.exit_threshold) or not 0.0 < self.exit_threshold < 1.0:
+            raise ValueError(f"exit_threshold must be a number strictly between 0 and 1, got {self.exit_threshold!r}")
         if not isinstance(self.mixture_output, bool):
             raise ValueError(f"mixture_output must be true or false, got {self.mixture_output!r}")
         if self.train_decisions not in TRAIN_DECISIONS:
@@ -256,7 +263,7 @@ class TaH2(HaltingMethod):
     @classmethod
     def card_rows(cls, loop) -> list[tuple[str, str]]:
         return [
-            ("exit threshold τ", str(loop.exit_threshold)),
+            ("exit threshold τ", str(loop.method_options.exit_threshold)),
             ("mixture output", str(loop.method_options.mixture_output)),
         ]
 
@@ -325,7 +332,7 @@ class TaH2(HaltingMethod):
         ctx.extra.setdefault("halt_logits", []).append(logit)
         if ctx.training and self.options.train_decisions == "sample":
             return torch.bernoulli(c.detach()).bool()
-        tau = self.loop.exit_threshold if ctx.threshold is None else ctx.threshold
+        tau = self.options.exit_threshold if ctx.threshold is None else ctx.threshold
         return c >= tau
 
     def combiner(self, ctx: HaltContext) -> DepthCombiner:
@@ -345,7 +352,7 @@ class TaH2(HaltingMethod):
         ``τ``, so early on (nearly) every token continues and every depth gets trained."""
         w = getattr(cfg, "threshold_warmup_steps", 0) or 0
         if w > 0 and step < w:
-            return {"decider_threshold": self.loop.exit_threshold * step / w}
+            return {"decider_threshold": self.options.exit_threshold * step / w}
         return {}
 
     def aux_loss_per_item(self, cfg: TaH2Options) -> bool:
@@ -384,7 +391,7 @@ class TaH2(HaltingMethod):
         n_local = mask.sum()
         per_item = self.aux_loss_per_item(cfg) and num_items_in_batch is not None
         n = num_items_in_batch if per_item else n_local
-        l_d, metrics = decider_loss(logits, lab, cfg, n_tokens=n, exit_threshold=self.loop.exit_threshold)
+        l_d, metrics = decider_loss(logits, lab, cfg, n_tokens=n, exit_threshold=cfg.exit_threshold)
         if per_item:  # log the per-token loss of this batch, whatever the normalizer
             n_global = torch.as_tensor(n, device=l_d.device).float()
             metrics["decider_loss"] = l_d.detach() * n_global / n_local.clamp_min(1)

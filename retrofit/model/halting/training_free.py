@@ -208,7 +208,7 @@ def resolve_exit_policy(exit_policy, exit_threshold, depth):
         if exit_threshold is not None:
             raise ValueError(
                 "exit_threshold applies to the training-free exits ('kl', 'state'); the decider's own thresholds "
-                "are LoopConfig.exit_threshold (TaH2) and LoopConfig.halt_threshold (ANIRA-O)"
+                "are the method options exit_threshold (TaH2), halt_threshold (ANIRA-O) and exit_q (Ouro)"
             )
         if exit_policy == "decider" and depth is not None:
             raise ValueError("exit_policy='decider' lets the model decide; drop depth= or use exit_policy='fixed'")
