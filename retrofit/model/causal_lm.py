@@ -71,6 +71,10 @@ class LoopedForCausalLM(PreTrainedModel):
     def __init__(self, config, backbone: nn.Module | None = None, lm_head: nn.Module | None = None):
         super().__init__(config)
         loop = config.loop_config
+        if set(config.loop or {}) & set(registry.option_fields()):
+            # written before the methods' settings were nested (flat alpha_d, exit_threshold, ...): store the current
+            # layout, so a save or a calibrated threshold (written into options) cannot leave a stale flat copy
+            config.loop = loop.to_dict()
         n_layers = config.num_hidden_layers
         self._ranges = loop.layer_ranges(n_layers)
         self._check_layer_types(config)

@@ -107,7 +107,8 @@ def test_an_old_checkpoint_dict_keeps_what_it_computed():
     torch.manual_seed(0)
     m = retrofit.LoopedLlamaForCausalLM(cfg, backbone=base.model, lm_head=base.lm_head)
     assert isinstance(m.updater, Updater) and m.halting.decider.input_proj.weight.shape == (16, 2 * 64 + 2048)
-    assert m.config.loop == old  # nothing resolved into it: its shapes were explicit already
+    # nothing resolved into it (its shapes were explicit already); its flat method settings are stored nested now
+    assert m.config.loop == LoopConfig.from_dict(old).to_dict() and "alpha_d" not in m.config.loop
     H = base.config.hidden_size
     assert m.halting.decider_hidden == H // 4
 
