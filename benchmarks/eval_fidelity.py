@@ -102,7 +102,11 @@ def looped_from(path: Path, seed: int = 0):
         torch.manual_seed(seed)
         # the residual updater and the core state: the model this benchmark measured (docs/evaluation.md)
         loop = retrofit.LoopConfig(
-            max_depth=3, method="tah2", decider_arch="ffn", decider_top_k=10, updater="residual", decider_state="core"
+            max_depth=3,
+            method="tah2",
+            updater="residual",
+            decider_state="core",
+            options={"decider_arch": "ffn", "decider_top_k": 10},
         )
         m = retrofit.convert(base, loop).eval()
     g = torch.Generator().manual_seed(seed)

@@ -106,7 +106,7 @@ def build_model(name: str, fixed_graph: bool):
     with torch.random.fork_rng():
         torch.manual_seed(0)
         cfg = retrofit.LoopConfig.from_fields(
-            dict(**LOOP, **{**METHODS, **EXTRA_METHODS}[name], fixed_graph=fixed_graph)
+            dict(**LOOP, **{**METHODS, **EXTRA_METHODS}[name], fixed_graph=fixed_graph), strict=False
         )
         model = retrofit.convert(tiny_base("llama", seed=0), cfg)
     if cfg.method == "tah2":

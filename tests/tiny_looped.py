@@ -28,7 +28,7 @@ def mixed_depth_looped(max_depth=3, method="tah2", seed=1, spread_anira=False, *
 
     with torch.random.fork_rng():  # the heads' init draws from the global RNG, whose seed differs per process
         torch.manual_seed(seed)
-        cfg = retrofit.LoopConfig.from_fields(dict(max_depth=max_depth, method=method, **FFN, **loop))
+        cfg = retrofit.LoopConfig.from_fields(dict(max_depth=max_depth, method=method, **FFN, **loop), strict=False)
         m = retrofit.convert(tiny_base("llama"), cfg).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

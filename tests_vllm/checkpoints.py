@@ -61,14 +61,18 @@ def build_checkpoint(
 
     extra = {"head_dim": 32} if family == "qwen3" else {}
     base = tiny_base(family, seed=seed, **SHAPES, **extra)
-    loop = retrofit.LoopConfig(
-        prelude=prelude,
-        core=core,
-        max_depth=max_depth,
-        method=method,
-        attention=attention,
-        # the head shapes and init these checkpoints had before the TaH2 release's options existed, unless release
-        **({} if release else PLUGIN_LOOP),
+    # the head shapes and init these checkpoints had before the TaH2 release's options existed, unless release
+    # (decider_top_k and decider_init are TaH2's options: the other methods drop them)
+    loop = retrofit.LoopConfig.from_fields(
+        dict(
+            prelude=prelude,
+            core=core,
+            max_depth=max_depth,
+            method=method,
+            attention=attention,
+            **({} if release else PLUGIN_LOOP),
+        ),
+        strict=False,
     )
     with torch.random.fork_rng():  # the heads' own initialization draws from the global RNG: pin it
         torch.manual_seed(seed)

@@ -119,7 +119,9 @@ class LoopedForCausalLM(PreTrainedModel):
         cls = registry.method_class(loop.method)
         resolved = cls.resolve_shapes(loop, config.hidden_size, parameter_count(self.updater), base)
         if resolved:
-            config.loop = {**(config.loop or {}), **resolved}
+            stored = dict(config.loop or {})
+            options = {**(stored.get("options") or {}), **resolved.pop("options", {})}
+            config.loop = {**stored, **resolved, **({"options": options} if options else {})}
         return config.loop_config if resolved else loop
 
     @staticmethod

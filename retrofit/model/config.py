@@ -25,11 +25,9 @@ from . import registry
 from .errors import RetrofitUserError
 
 ATTENTION_MODES = ("duo-causal", "same-depth")
-DECIDER_ARCHS = ("swiglu", "ffn")
 UPDATERS = ("release", "residual")
 DECIDER_STATES = ("final_norm", "core")
 DECIDER_WIDTH_RULES = ("release", "quarter")
-DECIDER_INITS = ("torch", "normal")
 
 
 def _is_int(v) -> bool:
@@ -56,9 +54,7 @@ def __getattr__(name):
 GENERIC_DEFAULTS: dict[str, Any] = {
     "updater": "residual",
     "decider_state": "core",
-    "decider_topk_grad": False,
     "decider_width_rule": "quarter",
-    "decider_init": "normal",
     "padding_stops": False,
 }
 
@@ -83,12 +79,9 @@ class DepthError(RetrofitUserError, ValueError):
 #: 0.2: the release's decider; 0.3: the rest of the release (docs/tah2.md, "the options of the release"). A
 #: method's own options have theirs in its ``Options.LEGACY_VALUES`` (TaH2's loss guards).
 LEGACY_VALUES: dict[str, Any] = {
-    "decider_arch": "ffn",
     "updater": "residual",
     "decider_state": "core",
-    "decider_topk_grad": False,
     "decider_width_rule": "quarter",
-    "decider_init": "normal",
     "padding_stops": False,
 }
 
@@ -120,25 +113,9 @@ class LoopConfig:
         decider_width_rule: The decider's width when ``decider_hidden`` is None: ``"release"`` (``H``, halved
             until the heads fit 3% of the base model, ``heads.release_decider_width``; the converted model
             stores the width) or ``"quarter"`` (``H // 4``, retrofit < 0.3).
-        decider_top_k: TaH2 decider input: how many top next-token probabilities it sees (§3). ``None``
-            = the hidden size (the release normalizes them with an ``RMSNorm(hidden)``, so it reads ``H`` of
-            them: 2,048 for Qwen3-1.7B). ``0``: no probability features — the decider reads ``e`` and
-            ``h`` only, and with ``mixture_output=False`` inference then reads out the exit depth only
-            (no LM head or coda per depth: docs/tah2.md, "what a continue costs").
-        decider_topk_grad: TaH2: the top-K probabilities enter the decider with gradient (the release), so
-            ``α_D · L_D`` also shapes the LM distribution through them; ``False``: detached features.
-        decider_arch: TaH2's decider: ``"swiglu"`` (the authors' release: each input part RMS-normed on
-            its own, an input projection, a SwiGLU MLP, an output norm and a bias-free score layer
-            drawn from N(0, ``decider_init_std``), so p ≈ 0.5 at the start) or ``"ffn"`` (retrofit < 0.2:
-            one RMSNorm over the concatenated input, ``fc2(SiLU(fc1(·)))``, score bias
-            ``deep_init_logit``). Checkpoints saved before the field existed load as ``"ffn"``.
-        decider_init_std: std of the ``"swiglu"`` decider's score layer at init (release: 0.01).
-        decider_init: init of the ``"swiglu"`` decider's inner layers: ``"torch"`` (PyTorch's default, as the
-            release) or ``"normal"`` (N(0, ``initializer_range``), retrofit < 0.3); the score layer is
-            N(0, ``decider_init_std``) either way.
         padding_stops: padding positions (``attention_mask == 0``) stop at depth 1 and get no lookahead
             iteration (the release); real tokens never see padding, so their outputs are unchanged.
-        updater, decider_state, decider_width_rule, decider_topk_grad, decider_init, padding_stops: ``None`` =
+        updater, decider_state, decider_width_rule, padding_stops: ``None`` =
             the method's default (its ``loop_defaults``, else ``GENERIC_DEFAULTS``: the release's for TaH2), resolved
             on construction.
         fixed_graph: Always unroll all ``max_depth`` iterations, even when every token has exited.
@@ -207,46 +184,6 @@ class LoopConfig:
             )
         },
     )
-    decider_top_k: int | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "tah2: top-K next-token probabilities the decider reads; None = the hidden size (the "
-                "release: its RMSNorm(hidden) over them reads H of them); 0 = none."
-            )
-        },
-    )
-    decider_topk_grad: bool | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "tah2: the top-K probabilities enter the decider with gradient, so the decider loss also "
-                "shapes the LM distribution (the release); false = detached. None = the method's default "
-                "(true)."
-            )
-        },
-    )
-    decider_arch: str = field(
-        default="swiglu",
-        metadata={
-            "help": (
-                "tah2: the decider's body: 'swiglu' (the authors' release: per-part norms, SwiGLU MLP, "
-                "bias-free score at N(0, 0.01)) or 'ffn' (retrofit < 0.2, starts at deep_init_logit)."
-            )
-        },
-    )
-    decider_init_std: float = field(
-        default=0.01, metadata={"help": "tah2 'swiglu' decider: std of the score layer at init (release: 0.01)."}
-    )
-    decider_init: str | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "tah2 'swiglu' decider's inner layers at init: 'torch' (PyTorch's default, the release) or "
-                "'normal' (N(0, initializer_range)). None = the method's default (torch for tah2)."
-            )
-        },
-    )
     padding_stops: bool | None = field(
         default=None,
         metadata={
@@ -300,26 +237,16 @@ class LoopConfig:
             ("updater", UPDATERS),
             ("decider_state", DECIDER_STATES),
             ("decider_width_rule", DECIDER_WIDTH_RULES),
-            ("decider_init", DECIDER_INITS),
         ):
             if getattr(self, name) not in allowed:
                 raise LoopConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.decider_top_k is not None and (not _is_int(self.decider_top_k) or self.decider_top_k < 0):
-            raise LoopConfigError(
-                "decider_top_k must be None (the hidden size) or an integer >= 0 (0 = no probability features), "
-                f"got {self.decider_top_k!r}"
-            )
-        if self.decider_arch not in DECIDER_ARCHS:
-            raise LoopConfigError(f"decider_arch must be one of {', '.join(DECIDER_ARCHS)}, got {self.decider_arch!r}")
-        if not _is_number(self.decider_init_std) or not self.decider_init_std >= 0:
-            raise LoopConfigError(f"decider_init_std must be a number >= 0, got {self.decider_init_std!r}")
         for name in ("updater_hidden", "decider_hidden"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise LoopConfigError(f"{name} must be None or a positive integer, got {v!r}")
         if not _is_number(self.deep_init_logit) or not math.isfinite(self.deep_init_logit):
             raise LoopConfigError(f"deep_init_logit must be a finite number, got {self.deep_init_logit!r}")
-        for name in ("fixed_graph", "decider_topk_grad", "padding_stops"):
+        for name in ("fixed_graph", "padding_stops"):
             if not isinstance(getattr(self, name), bool):
                 raise LoopConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.options = _method_options(cls, self.options)
@@ -358,7 +285,7 @@ class LoopConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_fields(cls, source: Any, **override) -> "LoopConfig":
+    def from_fields(cls, source: Any, *, strict: bool = True, **override) -> "LoopConfig":
         """A ``LoopConfig`` from whatever holds its fields by name: parsed flags (an ``argparse.Namespace``,
         a dataclass such as ``LoopArgs``) or a mapping.
 
@@ -366,7 +293,8 @@ class LoopConfig:
         from a flag of the same name without edits here; fields it lacks keep their defaults. So do the
         chosen method's own options (a value of None keeps the option's default); setting another method's
         option is an error. ``override`` replaces fields (e.g. ``fixed_graph=True``, or a control arm's
-        ``method``).
+        ``method``). ``strict=False`` drops other methods' options instead (one settings dict for several
+        methods, as the tests' helpers have).
         """
         names = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
 
@@ -391,6 +319,8 @@ class LoopConfig:
             if v is None:
                 continue
             if name not in own:
+                if not strict:
+                    continue
                 raise LoopConfigError(f"{name} is an option of method {' / '.join(owners)}, not of {method!r}")
             opts[name] = v
         if opts:

@@ -270,7 +270,7 @@ def run_depth_loop(
     act = backend.first_active(B, T)
     # padding never continues (LoopConfig.padding_stops): it runs depth 1 only and gets no lookahead row
     real = backend.real if loop.padding_stops and not bool(backend.real.all()) else None
-    topk_grad = contextlib.nullcontext if loop.decider_topk_grad else torch.no_grad
+    topk_grad = contextlib.nullcontext if method.readout_grad else torch.no_grad
     # active[j]: token executed depth j + 1; a list, since tensors saved for backward must not be
     # modified in place
     active = [act]

@@ -141,9 +141,17 @@ def build_looped_model(spec: str, loop: LoopConfig, dtype=None, attn_implementat
     base, tok = load_model(spec, dtype=dtype, **extra)
     if isinstance(base, LoopedForCausalLM):
         have = base.loop
-        # a field the request leaves None (decider_top_k, decider_hidden) was resolved into the checkpoint
-        want = {k: v for k, v in loop.to_dict().items() if v is not None}
-        if {k: v for k, v in have.to_dict().items() if k in want} != {**want, "fixed_graph": have.fixed_graph}:
+
+        # a field or option the request leaves None (decider_top_k, decider_hidden) was resolved into the checkpoint
+        def settings(lc) -> dict:
+            d = lc.to_dict()
+            return {
+                **{k: v for k, v in d.items() if k != "options"},
+                **{("options", k): v for k, v in d["options"].items()},
+            }
+
+        want = {k: v for k, v in settings(loop).items() if v is not None}
+        if {k: v for k, v in settings(have).items() if k in want} != {**want, "fixed_graph": have.fixed_graph}:
             logger.warning("%s is already looped with %s; ignoring the requested %s", spec, have, loop)
         if loop.fixed_graph and not have.fixed_graph:
             base.config.loop = {**base.config.loop, "fixed_graph": True}

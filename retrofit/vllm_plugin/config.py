@@ -69,9 +69,9 @@ INFERENCE_FIELDS = (
     "decider_state",
     "decider_hidden",
     "decider_width_rule",
+    # flat before retrofit 0.4; then in options
     "decider_top_k",
     "decider_arch",
-    # flat before retrofit 0.4; then in options
     "exit_threshold",
     "halt_threshold",
     "mixture_output",
@@ -80,7 +80,10 @@ INFERENCE_FIELDS = (
 #: the methods' own options (``config.loop["options"]``) the plugin reads; the others only shape training
 #: (the loss weights, the training decisions) and are ignored. Keep in step with the methods' ``Options``
 #: dataclasses (tests/vllm_plugin/test_vllm_plugin_config.py checks it).
-SERVED_OPTIONS = {"tah2": ("exit_threshold", "mixture_output"), "anira-o": ("halt_threshold",)}
+SERVED_OPTIONS = {
+    "tah2": ("decider_top_k", "decider_arch", "exit_threshold", "mixture_output"),
+    "anira-o": ("halt_threshold",),
+}
 TRAINING_ONLY_OPTIONS = {
     "tah2": (
         "alpha_d",
@@ -96,6 +99,9 @@ TRAINING_ONLY_OPTIONS = {
         "kappa_gather",
         "decider_loss_scope",
         "train_decisions",
+        "decider_topk_grad",
+        "decider_init_std",
+        "decider_init",
     ),
     "anira-e": ("gamma", "prior_base", "gumbel_tau"),
     "anira-o": ("gamma", "prior_base"),
@@ -197,6 +203,8 @@ def loop_spec(config) -> LoopSpec:
     unserved = sorted(set(options) - set(SERVED_OPTIONS.get(method, ())) - set(TRAINING_ONLY_OPTIONS.get(method, ())))
     if unserved:
         raise _error(f"config.loop has {method} options this plugin does not know: {unserved}")
+    # TaH2's top-K: an option (retrofit >= 0.4) or a flat field; None = the hidden size; absent = 10 (retrofit < 0.2)
+    top_k = options["decider_top_k"] if "decider_top_k" in options else loop.get("decider_top_k", 10)
     attention = loop.get("attention") or DEFAULT_ATTENTION[method]
     if attention not in ATTENTION_MODES:
         raise _error(f"unknown attention mode {attention!r}")
@@ -232,8 +240,8 @@ def loop_spec(config) -> LoopSpec:
         updater_hidden=loop.get("updater_hidden") or H,
         decider_hidden=loop.get("decider_hidden")
         or (H if loop.get("decider_width_rule", "quarter") == "release" else max(1, H // 4)),
-        top_k=H if loop.get("decider_top_k", 10) is None else loop.get("decider_top_k", 10),
-        decider_arch=loop.get("decider_arch", "ffn"),  # absent: written before the release's decider existed
+        top_k=H if top_k is None else top_k,
+        decider_arch=options.get("decider_arch", loop.get("decider_arch", "ffn")),  # absent: before the release's
         exit_threshold=float(options.get("exit_threshold", loop.get("exit_threshold", 0.5))),
         halt_threshold=float(options.get("halt_threshold", loop.get("halt_threshold", 0.5))),
         mixture_output=bool(options.get("mixture_output", loop.get("mixture_output", True))),

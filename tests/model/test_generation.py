@@ -36,7 +36,9 @@ def randomized(model, seed: int = 1, scale: float = 0.5):
 
 
 def looped(family="llama", method="fixed", split="whole", attention=None, max_depth=3, seed=0, head_seed=1, **kw):
-    loop = LoopConfig(max_depth=max_depth, method=method, attention=attention, **SPLITS[split], **kw)
+    loop = LoopConfig.from_fields(
+        dict(max_depth=max_depth, method=method, attention=attention, **SPLITS[split], **kw), strict=False
+    )
     return randomized(convert(tiny_base(family, seed=seed), loop), head_seed)
 
 

@@ -27,6 +27,11 @@ OTHER_OPTIONS = {
         "mixture_output": False,
         "train_decisions": "sample",
         "exit_threshold": 0.3,
+        "decider_top_k": 7,
+        "decider_arch": "ffn",
+        "decider_init_std": 0.02,
+        "decider_topk_grad": False,
+        "decider_init": "normal",
     },
     "anira-e": {"gamma": 0.02, "prior_base": 1.5, "gumbel_tau": 0.5},
     "anira-o": {"gamma": 0.02, "prior_base": 1.5, "halt_threshold": 0.4},
@@ -40,18 +45,13 @@ OTHER = {
     "max_depth": 4,
     "method": "anira-o",
     "attention": "duo-causal",
-    "decider_top_k": 7,
-    "decider_arch": "ffn",
-    "decider_init_std": 0.02,
     "updater_hidden": 33,
     "decider_hidden": 9,
     "deep_init_logit": 1.5,
     # None = the method's default; anira-o's are residual / core / False / quarter / normal / False
     "updater": "release",
     "decider_state": "final_norm",
-    "decider_topk_grad": True,
     "decider_width_rule": "release",
-    "decider_init": "torch",
     "padding_stops": True,
     "fixed_graph": True,
 }
@@ -87,17 +87,15 @@ def test_retrofit_convert_flags_build_the_loop_config():
     )
     release = p.parse_args(
         "--model tiny-llama --out x --updater release --decider-state final_norm --decider-width-rule release "
-        "--decider-top-k 5 --decider-topk-grad false --decider-init normal --padding-stops true --method fixed".split()
+        "--decider-top-k 5 --decider-topk-grad false --decider-init normal --padding-stops true".split()
     )
     assert LoopConfig.from_fields(release) == LoopConfig(
-        method="fixed",
+        method="tah2",
         updater="release",
         decider_state="final_norm",
         decider_width_rule="release",
-        decider_top_k=5,
-        decider_topk_grad=False,
-        decider_init="normal",
         padding_stops=True,
+        options={"decider_top_k": 5, "decider_topk_grad": False, "decider_init": "normal"},
     )
     # unset, they are the method's own defaults
     assert LoopConfig.from_fields(p.parse_args("--model m --out x".split())).updater == "release"

@@ -60,7 +60,7 @@ def test_deciders_start_deep(family):
     base = tiny_base(family)
     ids = ids_for()
     for method, arch in (("tah2", "ffn"), ("anira-e", None), ("anira-o", None)):
-        extra = {"decider_arch": arch} if arch else {}
+        extra = {"options": {"decider_arch": arch}} if arch else {}
         looped = retrofit.convert(base, LoopConfig(max_depth=4, method=method, **extra)).eval()
         assert looped(ids).depths.eq(4).all(), method
     looped = retrofit.convert(base, LoopConfig(max_depth=4, method="tah2")).eval()

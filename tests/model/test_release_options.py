@@ -24,11 +24,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 RELEASE = {
     "updater": "release",
     "decider_state": "final_norm",
-    "decider_topk_grad": True,
     "decider_width_rule": "release",
-    "decider_init": "torch",
     "padding_stops": True,
 }
+#: TaH2's own options whose defaults are the release's (``TaH2Options``)
+RELEASE_OPTIONS = {"decider_topk_grad": True, "decider_init": "torch", "decider_arch": "swiglu"}
 
 
 def ids_for(B=2, T=9, seed=0):
@@ -53,7 +53,8 @@ def test_method_defaults_are_the_release_for_tah2_only(method):
     if method == "tah2":
         o = loop.method_options
         assert (o.kappa_scope, o.kappa_gather, o.decider_loss_scope) == ("per-boundary", True, "global")
-    assert loop.decider_top_k is None and loop.decider_hidden is None
+        assert {k: getattr(o, k) for k in RELEASE_OPTIONS} == RELEASE_OPTIONS and o.decider_top_k is None
+    assert loop.decider_hidden is None
     stored = LoopConfig.from_dict(loop.to_dict())  # to_dict stores the resolved values
     assert stored == loop
 
@@ -63,23 +64,24 @@ def test_new_fields_reject_unknown_values_naming_the_allowed_ones():
         ("updater", "identity", "release, residual"),
         ("decider_state", "prenorm", "final_norm, core"),
         ("decider_width_rule", "half", "release, quarter"),
-        ("decider_init", "xavier", "torch, normal"),
     ]:
         with pytest.raises(LoopConfigError, match=allowed):
             LoopConfig(**{name: bad})
     for name, bad, allowed in [
+        ("decider_init", "xavier", "torch, normal"),
+        ("decider_arch", "mlp", "swiglu, ffn"),
         ("kappa_scope", "global", "per-boundary, pooled"),
         ("decider_loss_scope", "rank", "global, local"),
     ]:  # TaH2's own options
         with pytest.raises(LoopConfigError, match=f"tah2 options: {name} must be one of {allowed}"):
             LoopConfig(options={name: bad})
-    for name in ("decider_topk_grad", "padding_stops"):
-        with pytest.raises(LoopConfigError, match="true or false"):
-            LoopConfig(**{name: "yes"})
-    with pytest.raises(LoopConfigError, match="kappa_gather must be true or false"):
-        LoopConfig(options={"kappa_gather": "yes"})
+    with pytest.raises(LoopConfigError, match="true or false"):
+        LoopConfig(padding_stops="yes")
+    for name in ("kappa_gather", "decider_topk_grad"):
+        with pytest.raises(LoopConfigError, match=f"{name} must be true or false"):
+            LoopConfig(options={name: "yes"})
     with pytest.raises(LoopConfigError, match="None .the hidden size."):
-        LoopConfig(decider_top_k=-1)
+        LoopConfig(options={"decider_top_k": -1})
 
 
 def test_an_old_checkpoint_dict_keeps_what_it_computed():
@@ -88,8 +90,9 @@ def test_an_old_checkpoint_dict_keeps_what_it_computed():
     same modules (``updater.w1``/``w2``, a width-H/4 decider over the top-2,048) and computes what that version
     computed: the residual updater on the core output, detached top-K features, pooled κ. Its loss settings are
     flat fields, every method's (retrofit < 0.4): TaH2's move into ``options``, ANIRA's are dropped."""
-    new = LoopConfig(max_depth=3, decider_top_k=2048).to_dict()
+    new = LoopConfig(max_depth=3, options={"decider_top_k": 2048}).to_dict()
     old = {k: v for k, v in new.items() if k not in LEGACY_VALUES and k != "options"}
+    old.update(decider_top_k=2048, decider_init_std=0.01)  # flat then; decider_topk_grad and decider_init absent
     old.update(decider_arch="swiglu", dyn_pos_weight=True, cost_min=1e-6, cost_max=1.0, decider_loss_norm="tokens")
     old.update(alpha_d=0.07, rho=0.99, decider_weighting="distance", pos_weight=1.0, bce_margin=0.0)
     old.update(mixture_output=True, train_decisions="threshold", gamma=0.01, prior_base=2.0, gumbel_tau=1.0)
@@ -98,6 +101,7 @@ def test_an_old_checkpoint_dict_keeps_what_it_computed():
     assert {k: getattr(loop, k) for k in LEGACY_VALUES if k in RELEASE} == {k: LEGACY_VALUES[k] for k in RELEASE}
     o = loop.method_options
     assert (o.kappa_scope, o.kappa_gather, o.decider_loss_scope) == ("pooled", False, "local")
+    assert (o.decider_topk_grad, o.decider_init, o.decider_top_k) == (False, "normal", 2048)
     assert (o.alpha_d, o.dyn_pos_weight, o.cost_min) == (0.07, True, 1e-6) and set(loop.options) == set(new["options"])
     with pytest.raises(LoopConfigError, match=r"config.loop has alpha_d=0.5 and options\['alpha_d'\]=0.05"):
         LoopConfig.from_dict({**new, "alpha_d": 0.5})  # a flat setting beside the nested one: refused, not ignored
@@ -222,9 +226,12 @@ def test_topk_gradient_matches_a_hand_built_decider_loss(topk_grad):
     base = tiny_base("llama", tie_word_embeddings=False)
     loop = LoopConfig(
         max_depth=2,
-        decider_topk_grad=topk_grad,
-        decider_top_k=16,
-        options={"decider_weighting": "uniform", "dyn_pos_weight": False},
+        options={
+            "decider_topk_grad": topk_grad,
+            "decider_top_k": 16,
+            "decider_weighting": "uniform",
+            "dyn_pos_weight": False,
+        },
     )
     m = retrofit.convert(base, loop).train()
     spread_decider(m, logit_std=2.0)
@@ -300,7 +307,7 @@ def test_release_width_at_real_shapes_is_stored_in_the_config(name, width):
     with torch.device("meta"):
         m = retrofit.convert(lm_cls(cfg_cls(**fields)), LoopConfig(max_depth=2))
     H = fields["hidden_size"]
-    assert m.config.loop["decider_hidden"] == width and m.config.loop["decider_top_k"] == H
+    assert m.config.loop["decider_hidden"] == width and m.config.loop["options"]["decider_top_k"] == H
     assert m.halting.decider.input_proj.weight.shape == (width, 3 * H)
     assert isinstance(m.updater, SwiGLUUpdater) and m.updater.gate_proj.weight.shape == (H, H)
     assert parameter_report(m)["heads_share"] < 0.03
@@ -309,7 +316,9 @@ def test_release_width_at_real_shapes_is_stored_in_the_config(name, width):
 @pytest.mark.parametrize("init", ["torch", "normal"])
 def test_decider_init(init):
     torch.manual_seed(0)
-    m = retrofit.convert(tiny_base("llama"), LoopConfig(decider_init=init, decider_hidden=256, decider_init_std=0.01))
+    m = retrofit.convert(
+        tiny_base("llama"), LoopConfig(decider_hidden=256, options={"decider_init": init, "decider_init_std": 0.01})
+    )
     d = m.halting.decider
     for lin in (d.input_proj, d.gate_proj, d.up_proj, d.down_proj):
         bound = 1 / math.sqrt(lin.in_features)
@@ -324,7 +333,7 @@ def test_flops_count_the_release_heads():
     from retrofit.model.flops import model_costs
 
     base = tiny_base("llama")
-    m = retrofit.convert(base, LoopConfig(max_depth=2, decider_hidden=24, decider_top_k=10))
+    m = retrofit.convert(base, LoopConfig(max_depth=2, decider_hidden=24, options={"decider_top_k": 10}))
     H, inner = 64, 64  # the updater MLP width: updater_hidden = H
     c = model_costs(m)
     assert c["updater"] == 2 * H * H + 3 * H * inner

@@ -80,7 +80,7 @@ def test_kv_estimate_equals_the_cache_at_full_depth(method, split):
     A forced depth runs no decider (so TaH2 would read out no depth but its last); the decider methods
     reach depth D through their own decider instead, which starts deep (``deep_init_logit``)."""
     torch.manual_seed(0)
-    extra = {"decider_arch": "ffn"} if method == "tah2" else {}  # the "ffn" decider starts deep too
+    extra = {"options": {"decider_arch": "ffn"}} if method == "tah2" else {}  # the "ffn" decider starts deep too
     loop = LoopConfig(max_depth=3, method=method, deep_init_logit=20.0, **extra, **split)
     m = retrofit.convert(tiny_base("llama"), loop).eval()
     ids = torch.randint(4, 104, (2, 9), generator=torch.Generator().manual_seed(0))

@@ -51,7 +51,7 @@ def test_swiglu_decider_starts_near_one_half_and_norms_each_part():
     assert (c - 0.5).abs().max() < 0.05  # score ~ N(0, 0.01): every decision near p = 0.5
     # each part is normed on its own: scaling the probability features leaves the decision unchanged
     dec = m.halting.decider
-    e, h, p = torch.randn(3, 64), torch.randn(3, 64), torch.rand(3, m.loop.decider_top_k)
+    e, h, p = torch.randn(3, 64), torch.randn(3, 64), torch.rand(3, m.loop.method_options.decider_top_k)
     torch.testing.assert_close(dec(e, h, p), dec(e, h, 7.0 * p))
     with pytest.raises(ValueError, match="input parts"):
         dec(e, h)
@@ -59,14 +59,13 @@ def test_swiglu_decider_starts_near_one_half_and_norms_each_part():
 
 def test_checkpoints_without_the_new_fields_load_as_they_were_trained(tmp_path):
     """A stored ``loop`` dict from before decider_arch / the loss guards existed reads as the old behaviour."""
-    old = {k: v for k, v in LoopConfig(method="tah2", decider_arch="ffn", decider_top_k=10).to_dict().items()}
-    old.pop("decider_arch")
-    old.pop("decider_init_std")
-    for k in ("dyn_pos_weight", "cost_min", "cost_max", "decider_loss_norm"):
+    opts = {"decider_arch": "ffn", "decider_top_k": 10}
+    old = {k: v for k, v in LoopConfig(method="tah2", options=opts).to_dict().items()}
+    for k in ("decider_arch", "decider_init_std", "dyn_pos_weight", "cost_min", "cost_max", "decider_loss_norm"):
         old["options"].pop(k)
     lc = LoopConfig.from_dict(old)
     o = lc.method_options
-    assert (lc.decider_arch, o.dyn_pos_weight, o.cost_min, o.cost_max, o.decider_loss_norm) == (
+    assert (o.decider_arch, o.dyn_pos_weight, o.cost_min, o.cost_max, o.decider_loss_norm) == (
         "ffn",
         False,
         0.0,
@@ -77,14 +76,13 @@ def test_checkpoints_without_the_new_fields_load_as_they_were_trained(tmp_path):
     m = _model(decider_arch="ffn", decider_top_k=10).eval()
     m.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["loop"].pop("decider_arch")
-    for k in ("dyn_pos_weight", "cost_min", "cost_max", "decider_loss_norm"):
+    for k in ("decider_arch", "dyn_pos_weight", "cost_min", "cost_max", "decider_loss_norm"):
         cfg["loop"]["options"].pop(k)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     from transformers import AutoModelForCausalLM
 
     back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert back.loop.decider_arch == "ffn"
+    assert back.loop.method_options.decider_arch == "ffn"
     with torch.no_grad():
         torch.testing.assert_close(back(_ids()).logits, m(_ids()).logits)
 

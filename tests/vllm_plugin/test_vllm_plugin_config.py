@@ -42,7 +42,9 @@ SERVED = {"updater": "residual", "decider_state": "core"}
     [("swiglu", 2048, "quarter"), ("ffn", 10, "quarter"), ("swiglu", 0, "release"), ("swiglu", None, "release")],
 )
 def test_plugin_reads_a_converted_config(arch, top_k, rule):
-    loop = retrofit.LoopConfig(method="tah2", decider_arch=arch, decider_top_k=top_k, decider_width_rule=rule, **SERVED)
+    loop = retrofit.LoopConfig(
+        method="tah2", decider_width_rule=rule, options={"decider_arch": arch, "decider_top_k": top_k}, **SERVED
+    )
     m = retrofit.convert(tiny_base("llama"), loop)
     spec = P.loop_spec(m.config)
     assert (spec.decider_arch, spec.top_k, spec.decider_hidden) == (arch, m.halting.top_k, m.halting.decider_hidden)
@@ -51,9 +53,12 @@ def test_plugin_reads_a_converted_config(arch, top_k, rule):
 
 def test_plugin_reads_checkpoints_from_before_the_release_decider_as_ffn():
     m = retrofit.convert(tiny_base("llama"), retrofit.LoopConfig(method="tah2"))
-    m.config.loop = {k: v for k, v in m.config.loop.items() if k not in C.LEGACY_VALUES}
+    from retrofit.model.halting.tah2 import TaH2Options
+
+    # a flat checkpoint from before the decider_arch field: no options, no decider_arch
+    m.config.loop = {k: v for k, v in m.config.loop.items() if k not in C.LEGACY_VALUES and k != "options"}
     spec = P.loop_spec(m.config)
-    assert spec.decider_arch == C.LEGACY_VALUES["decider_arch"] == "ffn"
+    assert spec.decider_arch == TaH2Options.LEGACY_VALUES["decider_arch"] == "ffn"
 
 
 def test_plugin_reads_the_release_updater_and_state_and_refuses_unknown_values():

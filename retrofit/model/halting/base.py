@@ -203,7 +203,8 @@ class HaltingMethod(nn.Module):
     @classmethod
     def resolve_shapes(cls, loop: LoopConfig, hidden_size: int, updater_params: int, base_params: int) -> dict:
         """The ``LoopConfig`` fields whose value depends on the model (e.g. a width chosen to fit the heads' budget),
-        resolved for this one: the model stores them in ``config.loop``, so a checkpoint states its shapes."""
+        resolved for this one (the method's own options under ``"options"``): the model stores them in
+        ``config.loop``, so a checkpoint states its shapes."""
         return {}
 
     @classmethod
@@ -239,6 +240,12 @@ class HaltingMethod(nn.Module):
     @property
     def mixture_output(self) -> bool:
         """Output = halting-weighted mixture of per-depth distributions (TaH2 only)."""
+        return False
+
+    @property
+    def readout_grad(self) -> bool:
+        """The per-depth next-token distributions the decider reads keep their gradient (TaH2's
+        ``decider_topk_grad``); False: the loop computes them under ``no_grad``."""
         return False
 
     def new_context(self, training: bool, threshold: float | None = None) -> HaltContext:
