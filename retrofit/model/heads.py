@@ -167,7 +167,7 @@ class SwiGLUDecider(nn.Module):
         init_std: std of the score layer at init (the release: 0.01).
         eps: RMSNorm epsilon.
         init: the inner layers' init (``tag_init`` kind): ``"torch"`` (PyTorch's default, the release) or
-            ``"normal"`` (the model's ``initializer_range``; ``LoopConfig.decider_init``).
+            ``"normal"`` (the model's ``initializer_range``; ``TaH2Options.decider_init``).
     """
 
     def __init__(
