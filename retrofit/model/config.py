@@ -249,13 +249,15 @@ class LoopConfig:
         for name in ("fixed_graph", "padding_stops"):
             if not isinstance(getattr(self, name), bool):
                 raise LoopConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        self.options = _method_options(cls, self.options)
+        self._method_options = _method_options(cls, self.options)
+        self.options = dataclasses.asdict(self._method_options)
 
     @property
     def method_options(self):
-        """The method's own options: an instance of its ``Options`` dataclass (``options`` holds its fields).
-        The model hands it to the method's losses (``HaltingMethod.loss``'s ``cfg``)."""
-        return registry.method_class(self.method).Options(**self.options)
+        """The method's own options: an instance of its ``Options`` dataclass (``options`` holds its fields), made
+        and validated on construction like every field (the depth loop reads it at every depth). The model hands it
+        to the method's losses (``HaltingMethod.loss``'s ``cfg``)."""
+        return self._method_options
 
     # ----------------------------------------------------------------------------------------
     def layer_ranges(self, num_layers: int) -> tuple[range, range, range]:
@@ -363,9 +365,9 @@ class LoopConfig:
         return cls(**{**{k: v for k, v in LEGACY_VALUES.items() if k not in d}, **d})
 
 
-def _method_options(cls, options) -> dict[str, Any]:
-    """``options`` checked by the method's ``Options`` dataclass and completed with its defaults (every field is
-    written, so a checkpoint records what it ran with)."""
+def _method_options(cls, options):
+    """``options`` checked by the method's ``Options`` dataclass and completed with its defaults: an instance of it
+    (``LoopConfig`` stores its every field, so a checkpoint records what it ran with)."""
     if options is None:
         options = {}
     if not isinstance(options, Mapping):
@@ -376,10 +378,9 @@ def _method_options(cls, options) -> dict[str, Any]:
         allowed = ", ".join(known) if known else "none"
         raise LoopConfigError(f"unknown options {unknown} for method {cls.name!r}; its options: {allowed}")
     try:
-        opts = cls.Options(**options)
+        return cls.Options(**options)
     except (TypeError, ValueError) as e:
         raise LoopConfigError(f"{cls.name} options: {e}") from None
-    return dataclasses.asdict(opts)
 
 
 def validate_depth(depth, batch: int, seq: int, max_depth: int):

@@ -29,54 +29,6 @@ DEFAULT_ATTENTION = {
     "anira-o": "same-depth",
     "fixed": "same-depth",
 }
-# loop fields that only shape training: serving ignores them (the methods' options among them are flat fields of
-# checkpoints written before retrofit 0.4 nested them in ``options``)
-TRAINING_ONLY = (
-    "train_decisions",
-    "gumbel_tau",
-    "fixed_graph",
-    "deep_init_logit",
-    "extra",
-    # the auxiliary losses' weights (flat before retrofit 0.4)
-    "alpha_d",
-    "rho",
-    "decider_weighting",
-    "gamma",
-    "prior_base",
-    "dyn_pos_weight",
-    "pos_weight",
-    "cost_min",
-    "cost_max",
-    "decider_loss_norm",
-    "bce_margin",
-    "decider_init_std",
-    "decider_init",
-    "decider_topk_grad",
-    "kappa_scope",
-    "kappa_gather",
-    "decider_loss_scope",
-    # vLLM schedules real tokens only: there is no padding to stop
-    "padding_stops",
-)
-INFERENCE_FIELDS = (
-    "prelude",
-    "core",
-    "max_depth",
-    "method",
-    "attention",
-    "updater",
-    "updater_hidden",
-    "decider_state",
-    "decider_hidden",
-    "decider_width_rule",
-    # flat before retrofit 0.4; then in options
-    "decider_top_k",
-    "decider_arch",
-    "exit_threshold",
-    "halt_threshold",
-    "mixture_output",
-    "options",  # a method's own options (retrofit >= 0.4; earlier checkpoints store them as flat fields)
-)
 #: the methods' own options (``config.loop["options"]``) the plugin reads; the others only shape training
 #: (the loss weights, the training decisions) and are ignored. Keep in step with the methods' ``Options``
 #: dataclasses (tests/vllm_plugin/test_vllm_plugin_config.py checks it).
@@ -106,6 +58,37 @@ TRAINING_ONLY_OPTIONS = {
     "anira-e": ("gamma", "prior_base", "gumbel_tau"),
     "anira-o": ("gamma", "prior_base"),
 }
+
+
+def _flat(table: dict) -> tuple[str, ...]:
+    """The option names of ``table`` (every method's), as the flat fields of checkpoints written before retrofit
+    0.4 nested them in ``options`` (those stored every method's settings)."""
+    return tuple(sorted({name for names in table.values() for name in names}))
+
+
+# loop fields that only shape training: serving ignores them
+TRAINING_ONLY = (
+    "fixed_graph",
+    "deep_init_logit",
+    "extra",
+    # vLLM schedules real tokens only: there is no padding to stop
+    "padding_stops",
+    *_flat(TRAINING_ONLY_OPTIONS),
+)
+INFERENCE_FIELDS = (
+    "prelude",
+    "core",
+    "max_depth",
+    "method",
+    "attention",
+    "updater",
+    "updater_hidden",
+    "decider_state",
+    "decider_hidden",
+    "decider_width_rule",
+    "options",  # a method's own options (retrofit >= 0.4; earlier checkpoints store them as flat fields)
+    *_flat(SERVED_OPTIONS),
+)
 #: what the plugin serves of the fields whose values it cannot all serve (absent: the value of checkpoints
 #: written before the field existed, retrofit.model.config.LEGACY_VALUES)
 SERVED_VALUES = {"updater": ("residual", "release"), "decider_state": ("core", "final_norm")}

@@ -37,13 +37,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..config import LoopConfig
+from ..config import LoopConfig, _is_number
 from ..heads import DeciderFFN
 from .base import AuxLoss, HaltContext, HaltingMethod
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass

@@ -7,16 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..config import _is_int, _is_number
+
 DECIDER_LOSS_NORMS = ("tokens", "weights")
 KAPPA_SCOPES = ("per-boundary", "pooled")
 DECIDER_LOSS_SCOPES = ("global", "local")
 TRAIN_DECISIONS = ("threshold", "sample")
 DECIDER_ARCHS = ("swiglu", "ffn")
 DECIDER_INITS = ("torch", "normal")
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -227,9 +225,7 @@ class TaH2Options:
             raise ValueError(
                 f"decider_loss_scope must be one of {', '.join(DECIDER_LOSS_SCOPES)}, got {self.decider_loss_scope!r}"
             )
-        if self.decider_top_k is not None and (
-            not isinstance(self.decider_top_k, int) or isinstance(self.decider_top_k, bool) or self.decider_top_k < 0
-        ):
+        if self.decider_top_k is not None and (not _is_int(self.decider_top_k) or self.decider_top_k < 0):
             raise ValueError(
                 "decider_top_k must be None (the hidden size) or an integer >= 0 (0 = no probability features), "
                 f"got {self.decider_top_k!r}"
