@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from retrofit.model import registry
+from retrofit.model.backends import share_first_depth
 
 from .calibrate import (  # noqa: F401  (answer_steps_mask, continue_probabilities: imported from here too)
     answer_steps_mask,
@@ -192,6 +193,17 @@ def model_frontier(
         ``wall_s``; with a decider also ``threshold_kind``, ``decider_vs_random``, ``decider_vs_oracle``,
         ``ceiling``, ``gain_by_decile``, ``break_even_mean_depth``) and the per-row outcomes.
     """
+    # a looped model's passes share their first depth (every policy computes it alike, and every pass runs the
+    # same batches of the frontier rows: EvalOptions.share_first_depth)
+    with share_first_depth(model, enabled=info.looped and opts.share_first_depth):
+        return _model_frontier(
+            model, info, examples, pad, opts, is_stop, max_new_tokens, tag, name, own, forced, stop_token_ids
+        )
+
+
+def _model_frontier(
+    model, info, examples, pad, opts, is_stop, max_new_tokens, tag, name, own, forced, stop_token_ids
+) -> tuple[dict[str, Any], FrontierArrays]:
     t0 = time.time()
     rows = frontier_rows(examples, opts.frontier_rows_per_level)
     exs = [examples[i] for i in rows]

@@ -130,6 +130,14 @@ class EvalOptions:
         "pass per decider point plus one.",
         True,
     )
+    share_first_depth: bool = _help(
+        "A looped model's passes over the same batch share their first depth: the prelude, depth 1 of the core "
+        "and depth 1's coda, which every exit policy computes alike before its first decision "
+        "(retrofit.model.backends.share_first_depth). The results are bitwise those of separate forwards; the "
+        "forced-depth pass and the frontier's passes after the first cost about a third as much. False: "
+        "every pass computes everything (to check, or to save the memory it holds: at most 1 GiB).",
+        True,
+    )
     frontier_rows_per_level: int | None = _help(
         "Rows per level the frontier passes run on (the first ones of each level; None = every row). The "
         "frontier's passes dominate its cost: cap them here; the rest of the evaluation keeps every row.",

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from retrofit.model.backends import share_first_depth
+
 from .decoding import greedy_generate, stop_ids, stop_rule
 from .frontier import FrontierArrays, model_frontier
 from .length_cutoffs import length_cutoff_curve
@@ -250,17 +252,27 @@ def _evaluate_task(
         )
 
     # --- accuracy with the model's own exits, and the teacher-forced pass -------------------------
-    tf = teacher_forced(
-        model,
-        info,
-        examples,
-        pad,
-        opts,
-        f"{tag} teacher-forced",
-        per_depth=opts.exit_policies,
-        is_stop=is_stop if tf_mode else None,
-        max_new_tokens=max_new,
-    )
+    # (and, in greedy-exact-match mode, every forced depth from one depth-D forward, exact), the two sharing
+    # their first depth (EvalOptions.share_first_depth)
+    with share_first_depth(model, enabled=opts.share_first_depth):
+        tf = teacher_forced(
+            model,
+            info,
+            examples,
+            pad,
+            opts,
+            f"{tag} teacher-forced",
+            per_depth=opts.exit_policies,
+            is_stop=is_stop if tf_mode else None,
+            max_new_tokens=max_new,
+        )
+        by_depth = (
+            forced_depths_argmax(
+                model, info, examples, pad, opts, is_stop, max_new, f"{tag} depths 1-{D}", stop_ids(model, tokenizer)
+            )
+            if info.looped and opts.forced_depths and tf_mode and D > 1
+            else None
+        )
     correct, steps, gens = outcomes("generate")
 
     # --- per level, training vs held-out levels, overall ------------------------------------------
@@ -290,28 +302,12 @@ def _evaluate_task(
         )
 
     # --- forced depths (test-time scaling) -------------------------------------------------------
-    by_depth = None
     if info.looped:
         if opts.forced_depths:
             forced_acc: dict[int, float] = {}
             forced_by_level: dict[int, dict[Any, float]] = {}
             forced_correct: dict[int, np.ndarray] = {}
-            # greedy exact match: every forced depth from one depth-D forward (exact); generation: one run per depth
-            by_depth = (
-                forced_depths_argmax(
-                    model,
-                    info,
-                    examples,
-                    pad,
-                    opts,
-                    is_stop,
-                    max_new,
-                    f"{tag} depths 1-{D}",
-                    stop_ids(model, tokenizer),
-                )
-                if tf_mode and D > 1
-                else None
-            )
+            # greedy exact match: by_depth, above; generation: one run per depth
             for d in range(1, D + 1):
                 if by_depth is not None:
                     c_d = np.array([r["row_correct"] for r in by_depth[d]], dtype=bool)

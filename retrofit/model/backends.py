@@ -15,12 +15,18 @@ tokens compute each depth, and how a state becomes logits.
   Its result equals the full-sequence forward on the whole sequence with the same per-token depths
   (tests/model/test_generation.py), and a row's result does not depend on the other rows of the batch.
 
+``share_first_depth(model)`` lets full-sequence forwards of the *same batch* share their first depth (see
+``FirstDepthShare``): what every exit policy computes alike, before its first decision.
+
 A backend offers ``first_active``, ``begin_depth`` (returns the running tokens, or None),
 ``core``, ``readout``, ``end_depth``, ``final_readout`` and ``finish``; its constructor runs the
 prelude and leaves the core input in ``e`` and the ``[B, T]`` real-token (not padding) mask in ``real``.
 """
 
 from __future__ import annotations
+
+import contextlib
+import hashlib
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -76,6 +82,104 @@ def default_position_ids(attention_mask, B: int, T: int, device) -> torch.Tensor
     return torch.arange(T, device=device)[None].expand(B, T)
 
 
+#: ``share_first_depth``'s default memory budget for the shared first depths, in bytes
+SHARE_MAX_BYTES = 1 << 30
+
+
+class _SharedDepth:
+    """One batch's first depth (``FirstDepthShare``): the prelude's output ``e``, depth 1's core output and K/V,
+    depth 1's coda output."""
+
+    __slots__ = ("e", "core", "coda")
+
+    def __init__(self):
+        self.e = self.core = self.coda = None
+
+
+class FirstDepthShare:
+    """Full-sequence forwards of the same batch, inside ``share_first_depth``, share their first depth.
+
+    Until its first decision every exit policy (the decider at any threshold, random allocation, the oracle's
+    depths, a forced depth) computes the same thing: the prelude, depth 1 of the core and, where the method
+    reads depth 1's prediction, the coda over depth 1's states — every token runs depth 1 under the base
+    model's causal mask, whatever is decided later. The first forward of a batch stores those three results
+    (and depth 1's keys and values); a later forward of a batch with the same embeddings, padding mask and
+    positions reads them instead of recomputing them, so its results are bitwise those of a forward of its own.
+    What differs per policy is still computed: depth 1's LM head and decider, every deeper depth.
+
+    Only in inference (``model.eval()``, no autograd) and only for the forward's own layers: a forward hook on
+    a prelude or core layer would not run on a shared depth, so a model with one shares nothing.
+
+    Attributes:
+        max_bytes: stop storing new batches once the stored tensors reach this size (they are then computed).
+        hits, misses: batches served from the store / computed (and stored, while the budget allows).
+    """
+
+    def __init__(self, max_bytes: int = SHARE_MAX_BYTES):
+        self.max_bytes = int(max_bytes)
+        self.entries: dict[bytes, _SharedDepth] = {}
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(attn, x, attention_mask, position_ids) -> bytes:
+        h = hashlib.blake2b(digest_size=32)
+        h.update(repr((tuple(x.shape), str(x.dtype), str(x.device), attn.impl, attn.mode, attn.settings)).encode())
+        for t in (x, attention_mask, position_ids):
+            if t is not None:
+                t = t.detach()
+                h.update(repr((tuple(t.shape), str(t.dtype))).encode())
+                h.update(t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        return h.digest()
+
+    def lookup(self, attn, x, attention_mask, position_ids) -> _SharedDepth | None:
+        """The batch's entry (a new, empty one on a miss while the budget allows; else None)."""
+        k = self.key(attn, x, attention_mask, position_ids)
+        entry = self.entries.get(k)
+        if entry is not None:
+            self.hits += 1
+            return entry
+        self.misses += 1
+        if self.bytes >= self.max_bytes:
+            return None
+        entry = self.entries[k] = _SharedDepth()
+        return entry
+
+    def add_bytes(self, *tensors) -> None:
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _looped_module(model):
+    """The ``LoopedForCausalLM`` under ``model`` (itself, or a PEFT wrapper's base model), else None."""
+    from .causal_lm import LoopedForCausalLM
+
+    for m in (model, getattr(model, "get_base_model", lambda: None)()):
+        if isinstance(m, LoopedForCausalLM):
+            return m
+    return None
+
+
+@contextlib.contextmanager
+def share_first_depth(model, enabled: bool = True, max_bytes: int = SHARE_MAX_BYTES):
+    """Within the block, full-sequence forwards of ``model`` on the same batch share their first depth
+    (``FirstDepthShare``, yielded; None when ``enabled`` is false or ``model`` is not looped). The store is freed
+    on exit. Nested blocks: the inner one has its own store."""
+    looped = _looped_module(model) if enabled else None
+    if looped is None:
+        yield None
+        return
+    share, before = FirstDepthShare(max_bytes), getattr(looped, "_first_depth_share", None)
+    looped._first_depth_share = share
+    try:
+        yield share
+    finally:
+        looped._first_depth_share = before
+
+
+def _has_hooks(layers) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for layer in layers for m in layer.modules())
+
+
 class FullSequence:
     """The full-sequence backend (see the module docstring).
 
@@ -101,9 +205,24 @@ class FullSequence:
         self.real = self.attn.valid  # [B, T] not padding
         self.pe = model.model.rotary_emb(x, position_ids)
         self.coda = model.coda_layers
+        share = getattr(model, "_first_depth_share", None)
+        self.shared = share if share is None else self._shared(share, x, attention_mask, position_ids)
+        if self.shared is not None and self.shared.e is not None:
+            self.e = self.shared.e
+            return
         for layer in model.prelude_layers:
             x = call_layer(model, layer, x, self.plain_mask, self.pe, self.pos, self.store, 0)
         self.e = x
+        if self.shared is not None:
+            self.shared.e = x
+            share.add_bytes(x)
+
+    def _shared(self, share, x, attention_mask, position_ids):
+        m = self.model
+        if m.training or torch.is_grad_enabled() or _has_hooks([*m.prelude_layers, *m.core_layers, *self.coda]):
+            return None
+        self._share = share
+        return share.lookup(self.attn, x, attention_mask, position_ids)
 
     def first_active(self, B, T):
         return torch.ones(B, T, dtype=torch.bool, device=self.e.device)
@@ -113,9 +232,28 @@ class FullSequence:
         return AllTokens(active[-1])
 
     def core(self, d, x, run):
+        sh = self.shared if d == 1 else None
+        if sh is not None and sh.core is not None:
+            out, kv = sh.core
+            self.store.kv.update(kv)
+            return out
         for layer in self.model.core_layers:
             x = call_layer(self.model, layer, x, self.mask, self.pe, self.pos, self.store, d)
+        if sh is not None:
+            kv = {k: v for k, v in self.store.kv.items() if k[1] == 1}
+            sh.core = (x, kv)
+            self._share.add_bytes(x, *(t for pair in kv.values() for t in pair))
         return x
+
+    def _coda_at(self, d, h):
+        """The coda over depth ``d``'s states ``h`` (depth 1's from the shared store when there is one)."""
+        sh = self.shared if d == 1 else None
+        if sh is None:
+            return self._coda(h)
+        if sh.coda is None:
+            sh.coda = self._coda(h)
+            self._share.add_bytes(sh.coda)
+        return sh.coda
 
     def _coda(self, h):
         """The coda layers (if any) over a full sequence of states ``[B, T, H]``."""
@@ -123,10 +261,11 @@ class FullSequence:
             h = call_layer(self.model, layer, h, self.plain_mask, self.pe, self.pos, self.store, 0)
         return h
 
-    def _readout(self, h, rows=None):
+    def _readout(self, h, rows=None, d=None):
         """Coda (if any) + final norm + LM head: ``[B, T, H]`` -> ``[B, T, V]``, or ``[N, V]`` at the flat
-        positions ``rows`` only (the coda still runs over the whole sequence)."""
-        y = self._coda(h)
+        positions ``rows`` only (the coda still runs over the whole sequence). ``d``: ``h`` is depth ``d``'s
+        states (depth 1's coda may be shared)."""
+        y = self._coda(h) if d is None else self._coda_at(d, h)
         return head(self.model, y if rows is None else y.reshape(-1, y.shape[-1]).index_select(0, rows))
 
     def readout(self, d, h, raw, run, la, separate_lookahead=False):
@@ -139,7 +278,7 @@ class FullSequence:
             # lookahead stays gradient-free) instead of a second vocabulary-wide readout
             z = self._readout(torch.where(la[..., None], raw.detach(), h))
         else:
-            z = self._readout(h)
+            z = self._readout(h, d=d)
             if has_la:
                 with torch.no_grad():
                     z_la = self._readout(torch.where(la[..., None], raw, h))
@@ -158,12 +297,12 @@ class FullSequence:
             ``(z_full, z_rows)``: ``[B, T, V]`` or None, and ``[N, V]``.
         """
         if full:
-            z = self._readout(h)
+            z = self._readout(h, d=d)
             z_flat = z.reshape(-1, z.shape[-1])
             at = la.reshape(-1).nonzero().squeeze(1) if la is not None else None
             src = at
         else:
-            z_flat = self._readout(h, rows)
+            z_flat = self._readout(h, rows, d=d)
             at = la.reshape(-1).index_select(0, rows).nonzero().squeeze(1) if la is not None else None
             src = rows.index_select(0, at) if at is not None else None
         # rows ``at`` <- the lookahead logits of positions ``src``; under fixed_graph the coda runs even for none, so

@@ -611,3 +611,61 @@ def test_main_job_report_writes_every_new_summary_key(tok, tmp_path, capsys):
     t = check_targets(bare)
     assert "anira_depth_follows_level" in t and not t["adaptive_not_worse_than_fixed"]["met"]
     assert "reason" in t["decider_beats_random"] and "reason" in t["gain_rises_with_continue_probability"]
+
+
+def _without_times(x):
+    if isinstance(x, dict):
+        return {k: _without_times(v) for k, v in x.items() if k not in ("wall_s",)}
+    if isinstance(x, list):
+        return [_without_times(v) for v in x]
+    return x
+
+
+def test_shared_first_depth_changes_no_number_of_the_evaluation(tok, monkeypatch):
+    """EvalOptions.share_first_depth: the evaluation with its passes sharing their first depth (the teacher-forced
+    pass and the forced depths, then the frontier's thresholds, random draws, oracle, ceiling and gains) equals,
+    number for number, the evaluation where every pass computes everything; and the sharing does happen."""
+    from retrofit.evaluation import runner as R
+    from retrofit.model import backends
+
+    hits = []
+    real = backends.share_first_depth
+
+    def counting(model, enabled=True, **kw):
+        with real(model, enabled=enabled, **kw) as share:
+            yield share
+            if share is not None:
+                hits.append(share.hits)
+
+    import contextlib
+
+    monkeypatch.setattr(backends, "share_first_depth", contextlib.contextmanager(counting))
+    from retrofit.evaluation import frontier as F
+    from retrofit.evaluation import task_eval as TE
+
+    monkeypatch.setattr(F, "share_first_depth", backends.share_first_depth)
+    monkeypatch.setattr(TE, "share_first_depth", backends.share_first_depth)
+
+    model = _looped(max_depth=2, seed=3)
+    rows = R.task_rows("mano", [2, 3], n=4, seed=5)
+    opts = dict(
+        accuracy="teacher_forced_argmax",
+        progress=False,
+        batch_size=3,
+        exit_policies=False,
+        forced_depths=True,
+        frontier=True,
+        frontier_stop_shares=(0.3, 0.7),
+        frontier_random_draws=2,
+        frontier_rows_per_level=3,
+    )
+    shared = R.evaluate_task(model, tok, "mano", rows=rows, options=EvalOptions(**opts))
+    n_hits = list(hits)
+    alone = R.evaluate_task(model, tok, "mano", rows=rows, options=EvalOptions(**opts, share_first_depth=False))
+    assert hits == n_hits  # the second evaluation shared nothing
+    assert len(n_hits) == 2 and n_hits[0] >= 3 and n_hits[1] >= 2 * 6  # forced depths; the frontier's passes
+    assert json.dumps(_without_times(shared), sort_keys=True, default=str) == json.dumps(
+        _without_times(alone), sort_keys=True, default=str
+    )
+    fr = shared["frontier"]
+    assert {p["policy"] for p in fr["points"]} >= {"decider", "random", "oracle", "ceiling", "forced"}
