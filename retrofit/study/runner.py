@@ -11,11 +11,11 @@ Layout of a study folder (``--out``)::
     study.md       the tables; study.png the accuracy-vs-FLOPs plot
 
 **Resuming.** The same command continues where it stopped: a trial whose ``result.json`` exists, with the key of
-the trial the config asks for (``trial.trial_key``: its recipe flags, its preset's settings, its evaluation
-options, the thread count), is not run again; a folder without one is a trial that did not finish and starts over; a
-result with another key means the config changed under it and stops the study with an error that names the trial
-(nothing is overwritten). The statistics are computed from the result JSONs after reading them back, also right
-after a trial ran, so a resumed and an uninterrupted study give the same ``study.json``.
+the trial the config asks for (``trial.trial_key``: its settings — the preset's, its own flags winning —, its
+evaluation options, the thread count), is not run again; a folder without one is a trial that did not finish and
+starts over; a result with another key means the config changed under it and stops the study with an error that
+names the trial (nothing is overwritten). The statistics are computed from the result JSONs after reading them
+back, also right after a trial ran, so a resumed and an uninterrupted study give the same ``study.json``.
 """
 
 from __future__ import annotations

@@ -115,16 +115,25 @@ def check_arms(cfg: StudyConfig) -> dict[str, dict[str, Any]]:
     return seen
 
 
-def trial_key(cfg: StudyConfig, trial: Trial) -> str:
-    """What decides a trial's numbers, hashed: its recipe flags, its preset's settings, its evaluation, the threads."""
+def trial_settings(arm: Arm, lr: float, seed: int) -> dict[str, Any]:
+    """The settings a trial runs with: its preset's (not its comments), each replaced by the trial's own flag where
+    it has one (``trial_argv``: the flags win). A preset value every trial overrides (the budget, the learning
+    rate, the seed) therefore decides no trial: the main job may change it without invalidating the study."""
     import yaml
 
+    flags = trial_argv(arm, lr, seed, Path("OUT"))[2:]
+    if len(flags) % 2 or not all(f.startswith("--") for f in flags[::2]):
+        raise ValueError(f"trial flags are not '--key value' pairs: {flags}")
+    return {**(yaml.safe_load(arm.preset.read_text()) or {}), **{k[2:]: v for k, v in zip(flags[::2], flags[1::2])}}
+
+
+def trial_key(cfg: StudyConfig, trial: Trial) -> str:
+    """What decides a trial's numbers, hashed: its settings (``trial_settings``), its evaluation, the threads."""
     arm = cfg.arm(trial.arm)
     spec = {
         "schema": SCHEMA,
         "kind": arm.kind,
-        "argv": trial_argv(arm, trial.lr, trial.seed, Path("OUT"))[2:],
-        "preset": yaml.safe_load(arm.preset.read_text()),  # its settings, not its comments
+        "settings": {k: str(v) for k, v in trial_settings(arm, trial.lr, trial.seed).items()},
         "phase": trial.phase,
         "eval": {k: list(v) if isinstance(v, tuple) else v for k, v in _eval_options(cfg, trial.phase).items()},
         "threads": cfg.threads,

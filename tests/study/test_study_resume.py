@@ -262,6 +262,10 @@ def test_a_changed_config_stops_instead_of_mixing_results(reference, tmp_path):
     (tmp_path / "cfg" / "tiny_preset.yaml").write_text("# a comment changes no setting\n" + PRESET)
     R.run_study(cfg, copy, progress=False, runner=Counting(fail_at=1))
     assert (copy / "study.json").read_text() == text
+    # ... nor does a preset value every trial overrides (the learning rate: the main job may change its own)
+    (tmp_path / "cfg" / "tiny_preset.yaml").write_text(PRESET + "learning_rate: 0.5\nseed: 7\n")
+    R.run_study(cfg, copy, progress=False, runner=Counting(fail_at=1))
+    assert (copy / "study.json").read_text() == text
     (tmp_path / "cfg" / "tiny_preset.yaml").write_text(PRESET.replace("heads_lr_scale: 5", "heads_lr_scale: 6"))
     with pytest.raises(RetrofitUserError, match="holds a result of other settings"):
         R.run_study(cfg, copy, progress=False, runner=Counting(fail_at=1))  # ... over a changed preset
