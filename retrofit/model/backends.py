@@ -150,11 +150,11 @@ class FirstDepthShare:
 
 
 def _looped_module(model):
-    """The ``LoopedForCausalLM`` under ``model`` (itself, or a PEFT wrapper's base model), else None."""
-    from .causal_lm import LoopedForCausalLM
-
-    for m in (model, getattr(model, "get_base_model", lambda: None)()):
-        if isinstance(m, LoopedForCausalLM):
+    """The looped model under ``model`` (itself, or a PEFT wrapper's base model), else None. Recognized by what
+    ``FullSequence`` reads (its loop, core layers and halting method), not by class: causal_lm imports this module."""
+    # a PEFT wrapper forwards attribute reads to the model it wraps: ask for that model first
+    for m in (getattr(model, "get_base_model", lambda: None)(), model):
+        if all(hasattr(m, a) for a in ("loop", "core_layers", "prelude_layers", "halting")):
             return m
     return None
 

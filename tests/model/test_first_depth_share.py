@@ -145,3 +145,17 @@ def test_budget_and_disabled_and_plain_models():
     y = x.clone()
     y[2, 10, 15] += 1e-6
     assert k(attn, x, m1, p) != k(attn, y, m1, p)
+
+
+def test_a_peft_wrapped_model_shares_too():
+    from retrofit.training.model_setup import apply_lora
+
+    model = apply_lora(mixed_depth_looped(), r=4, alpha=8).eval()
+    batch = _batch()
+    with torch.no_grad():
+        ref = model(**batch, decider_threshold=0.3).logits
+        with share_first_depth(model) as share:
+            model(**batch)
+            got = model(**batch, decider_threshold=0.3).logits
+    assert share.hits == 1 and share.misses == 1
+    assert torch.equal(ref, got)
