@@ -628,23 +628,14 @@ def test_shared_first_depth_changes_no_number_of_the_evaluation(tok, monkeypatch
     from retrofit.evaluation import runner as R
     from retrofit.model import backends
 
-    hits = []
-    real = backends.share_first_depth
+    stores = []  # every FirstDepthShare the evaluation opens, in order
+    init = backends.FirstDepthShare.__init__
 
-    def counting(model, enabled=True, **kw):
-        with real(model, enabled=enabled, **kw) as share:
-            yield share
-            if share is not None:
-                hits.append(share.hits)
+    def recording(self, *a, **kw):
+        init(self, *a, **kw)
+        stores.append(self)
 
-    import contextlib
-
-    monkeypatch.setattr(backends, "share_first_depth", contextlib.contextmanager(counting))
-    from retrofit.evaluation import frontier as F
-    from retrofit.evaluation import task_eval as TE
-
-    monkeypatch.setattr(F, "share_first_depth", backends.share_first_depth)
-    monkeypatch.setattr(TE, "share_first_depth", backends.share_first_depth)
+    monkeypatch.setattr(backends.FirstDepthShare, "__init__", recording)
 
     model = _looped(max_depth=2, seed=3)
     rows = R.task_rows("mano", [2, 3], n=4, seed=5)
@@ -660,9 +651,9 @@ def test_shared_first_depth_changes_no_number_of_the_evaluation(tok, monkeypatch
         frontier_rows_per_level=3,
     )
     shared = R.evaluate_task(model, tok, "mano", rows=rows, options=EvalOptions(**opts))
-    n_hits = list(hits)
+    n_hits = [st.hits for st in stores]
     alone = R.evaluate_task(model, tok, "mano", rows=rows, options=EvalOptions(**opts, share_first_depth=False))
-    assert hits == n_hits  # the second evaluation shared nothing
+    assert [st.hits for st in stores] == n_hits  # the second evaluation shared nothing
     assert len(n_hits) == 2 and n_hits[0] >= 3 and n_hits[1] >= 2 * 6  # forced depths; the frontier's passes
     assert json.dumps(_without_times(shared), sort_keys=True, default=str) == json.dumps(
         _without_times(alone), sort_keys=True, default=str
