@@ -35,6 +35,12 @@ def _mean_depth(per_seed) -> str:
     return f"{np.mean(ds):.2f}" if ds else "–"
 
 
+def _at_depth_one(per_seed) -> str:
+    """A looped arm's accuracy over all test rows with every token forced to depth 1, mean over seeds."""
+    acc = [(p.get("forced_depth_accuracy") or {}).get("1") for p in per_seed]
+    return _pct(float(np.mean(acc))) if acc and None not in acc else "–"
+
+
 def _signs(v) -> str:
     return " ".join({1: "+", 0: "0", -1: "−", None: "?"}[s] for s in v)
 
@@ -85,10 +91,12 @@ def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
                 *[_pct(x) for x in accs],
                 _pct(float(np.mean(accs))),
                 _mean_depth(a["per_seed"]),
+                _at_depth_one(a["per_seed"]),
                 f"{np.mean([p['flops_per_token'] for p in a['per_seed']]) / 1e6:.1f}",
             ]
         )
-    out += _table(["arm", "lr", *[f"seed {s}" for s in te["seeds"]], "mean", "d̄ (mean)", "MFLOPs / answer token"], rows)
+    head = ["arm", "lr", *[f"seed {s}" for s in te["seeds"]], "mean", "d̄ (mean)", "at depth 1 (mean)"]
+    out += _table([*head, "MFLOPs / answer token"], rows)
 
     b = study["bootstrap"]
     out += [
@@ -122,6 +130,25 @@ def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
             ]
         )
     out += _table(["effect", "arms", "rows", "mean", "95% CI (seeds × rows)", "sign per seed", "claim met"], rows)
+    fam = [e for e in study["effects"] if e.get("across_seeds_family")]
+    if fam:
+        f = fam[0]["across_seeds_family"]
+        out += [
+            f"Several arms against one control: {f['comparisons']} comparisons with the SFT control. Their "
+            f"intervals at the {f['rule']} level {100 * f['confidence']:.2f}% (the same resamples; the claims above "
+            "keep the 95% rule docs/study.md states): "
+            + "; ".join(f"{e['a']} vs {e['b']} {_ci(e['across_seeds_family']['ci'])}" for e in fam)
+            + ".",
+            "",
+        ]
+    if any(e["effect"] == "depth1_vs_sft" for e in study["effects"]):
+        out += [
+            "`depth1_vs_sft` and `own_vs_depth1` split a looped arm's difference from the SFT control on the frontier "
+            "rows: the arm forced to depth 1 (the SFT control's FLOPs) against the control is what training through "
+            "the loop did to the single pass; the arm's own inference against itself at depth 1 is what its extra "
+            "passes buy.",
+            "",
+        ]
 
     out += ["## Effects per seed", "", "Paired on the same rows: exact McNemar (sign-flip for random allocation).", ""]
     rows = []

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from retrofit.evaluation.stats import mcnemar_exact
+from retrofit.evaluation.stats import mcnemar_exact, seed_row_bootstrap
 from retrofit.study import analysis as A
 from retrofit.study.trial import Trial, bits
 
@@ -197,6 +197,53 @@ def test_every_effect_is_its_brute_force():
     }
     for c in claims.values():
         assert isinstance(c["met"], bool)
+
+
+def test_a_looped_arms_difference_from_sft_splits_into_its_depth_one_pass_and_its_extra_passes():
+    """depth1_vs_sft (the arm forced to depth 1 vs the SFT control's plain point) and own_vs_depth1 (the arm's own
+    inference vs itself at depth 1: the decider's own threshold, a fixed arm's depth M) on the frontier rows, per
+    row by hand; the two add up to own vs SFT in every seed."""
+    test = _test()
+    found = A.effects(_cfg(("sft", "sft"), ("fixed", "fixed"), ("looped", "looped")), test)
+    for arm, own in (("looped", "decider:own"), ("fixed", "forced:2")):
+        d1, extra = _by(found, "depth1_vs_sft", arm), _by(found, "own_vs_depth1", arm)
+        assert (d1["b"], extra["b"]) == ("sft", "depth 1")
+        for p1, pe, s in zip(d1["per_seed"], extra["per_seed"], SEEDS):
+            fa, fs = test[arm][s]["frontier"]["correct"], test["sft"][s]["frontier"]["correct"]
+            one, plain, mine = bits(fa["forced:1"]), bits(fs["plain"]), bits(fa[own])
+            assert p1["difference"] == pytest.approx(one.mean() - plain.mean())
+            assert (p1["a_only"], p1["b_only"]) == (int((one & ~plain).sum()), int((~one & plain).sum()))
+            assert p1["flops_ratio"] == pytest.approx(10.0 / 8.0) and pe["point"] == own
+            assert pe["difference"] == pytest.approx(mine.mean() - one.mean())
+            assert p1["difference"] + pe["difference"] == pytest.approx(mine.mean() - plain.mean())
+        assert d1["across_seeds"]["estimate"] == pytest.approx(np.mean([p["difference"] for p in d1["per_seed"]]))
+        assert "claim" not in d1 and "claim" not in extra  # diagnostics: no claim rides on them
+
+    # an arm without a depth-1 frontier point (tuning-style evaluation): no split, no error
+    for s in SEEDS:
+        test["looped"][s]["frontier"]["points"] = [
+            p for p in test["looped"][s]["frontier"]["points"] if p["key"] != "forced:1"
+        ]
+    found = A.effects(_cfg(("sft", "sft"), ("looped", "looped")), {k: test[k] for k in ("sft", "looped")})
+    assert not [e for e in found if e["effect"] in ("depth1_vs_sft", "own_vs_depth1")]
+
+
+def test_several_arms_against_the_sft_control_also_get_a_bonferroni_interval():
+    """k arms against one SFT control: each vs_tuned_sft effect carries its interval at 1 - 0.05 / k, from the same
+    resamples (so it contains the 95% one); the claim still reads the 95% interval; one arm: no family."""
+    test = _test()
+    found = A.effects(_cfg(("sft", "sft"), ("fixed", "fixed"), ("looped", "looped")), test)
+    for arm in ("fixed", "looped"):
+        e = _by(found, "vs_tuned_sft", arm)
+        fam = e["across_seeds_family"]
+        assert (fam["comparisons"], fam["rule"]) == (2, "Bonferroni") and fam["confidence"] == pytest.approx(0.975)
+        diffs = np.stack([bits(test[arm][s]["correct"]).astype(float) - bits(test["sft"][s]["correct"]) for s in SEEDS])
+        ref = seed_row_bootstrap(diffs, n_boot=A.N_BOOT, seed=0, confidence=0.975)
+        assert fam["ci"] == pytest.approx(ref["ci"])
+        lo, hi = e["across_seeds"]["ci"]
+        assert fam["ci"][0] <= lo and hi <= fam["ci"][1]
+    one = A.effects(_cfg(("sft", "sft"), ("looped", "looped")), {k: test[k] for k in ("sft", "looped")})
+    assert "across_seeds_family" not in _by(one, "vs_tuned_sft", "looped")
 
 
 def test_the_claim_follows_the_across_seed_interval():
