@@ -35,6 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Run nothing: write study.json, study.md and the plot from the finished trials (the tuning complete; "
         "the test seeds at which every arm has finished, with a warning when that is fewer than the config lists).",
     )
+    p.add_argument(
+        "--readme",
+        default=None,
+        metavar="FILE",
+        help="Also write the study's tables (grid, test accuracy per seed, effects and claims, the plot) into FILE "
+        "between the lines <!-- study:begin --> and <!-- study:end --> (README.md keeps the default study's there).",
+    )
     p.add_argument("--quiet", action="store_true", help="No progress bars.")
 
 
@@ -49,6 +56,23 @@ def run(args: argparse.Namespace) -> int:
         study = report_finished(args.config, args.out)
     else:
         study = run_study(args.config, args.out, jobs=args.jobs, progress=not args.quiet)
+    if args.readme is not None:
+        _write_readme(args, study)
     for key, c in study["claims"].items():
         print(f"[{'met' if c['met'] else 'NOT met'}] {key}: {c['claim']}")
     return 0
+
+
+def _write_readme(args: argparse.Namespace, study: dict) -> None:
+    """The study's tables into ``args.readme`` (paths in the block relative to the README's folder)."""
+    import os
+
+    from ..study.config import load_study
+    from ..study.report import readme_markdown, write_readme_block
+    from ..study.runner import default_out
+
+    here = os.path.dirname(os.path.abspath(args.readme))
+    out = args.out if args.out is not None else default_out(load_study(args.config))
+    block = readme_markdown(study, os.path.relpath(args.config, here), os.path.relpath(out, here))
+    write_readme_block(args.readme, block)
+    print(f"wrote the study's tables into {args.readme}")

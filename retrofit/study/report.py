@@ -210,6 +210,133 @@ def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+#: the markers around the block ``write_readme_block`` writes into a README (``retrofit study --readme``)
+README_BEGIN, README_END = "<!-- study:begin -->", "<!-- study:end -->"
+
+
+def readme_markdown(study: dict[str, Any], config: str, folder: str) -> str:
+    """The README's tables of a study, every figure from ``study``: the grid and each arm's choice, each arm's
+    test accuracy per seed, every effect across seeds (with the Bonferroni interval of the arms against the SFT
+    control), its sign and figure per seed, and the claims. ``config`` and ``folder``: the study's YAML file and
+    folder, relative to the README (the command to reproduce it; its study.md and plot are linked)."""
+    t, te = study["tuning"], study["testing"]
+    env = study["environment"]
+    n_trials = sum(len(a["trials"]) for a in t["arms"].values()) + len(te["arms"]) * len(te["seeds"])
+    cpus, threads = env.get("cpus") or [], env.get("threads_per_trial")
+
+    def words(v) -> str:
+        return " and ".join(map(str, v)) if isinstance(v, list) else str(v)
+
+    out = [
+        f"`retrofit study {config} --out {folder}` ([{folder}/study.md]({folder}/study.md): "
+        f"every figure, per seed and per frontier point; its `study.json`). {n_trials} trials: tuning on "
+        f"{t['n_rows']} validation rows with seed {t['seed']}, testing on the {te['n_rows']} test rows with seeds "
+        f"{', '.join(map(str, te['seeds']))}; {words(threads)} threads per trial, torch {words(env.get('torch'))}, "
+        f"on {words(cpus)}.",
+        "",
+    ]
+    for w in study.get("warnings") or []:
+        out += [f"> **Warning:** {w}.", ""]
+    lrs = sorted({r["lr"] for a in t["arms"].values() for r in a["trials"]})
+    rows = []
+    for arm, a in t["arms"].items():
+        by = {r["lr"]: r for r in a["trials"]}
+        cells = []
+        for lr in lrs:
+            r = by.get(lr)
+            txt = "" if r is None else f"{_pct(r['accuracy'])}%"
+            cells.append(f"**{txt}**" if r is not None and lr == a["chosen_lr"] else txt)
+        rows.append([arm, *cells, f"{a['chosen_lr']:g}"])
+    out += ["Tuning, validation accuracy per learning rate (bold: chosen):", ""]
+    out += _table(["arm", *[f"lr {x:g}" for x in lrs], "chosen"], rows)
+    rows = []
+    for arm, a in te["arms"].items():
+        accs = [p["accuracy"] for p in a["per_seed"]]
+        rows.append(
+            [
+                f"{arm} ({a['lr']:g})",
+                *[f"{_pct(x)}%" for x in accs],
+                f"{_pct(float(np.mean(accs)))}%",
+                _mean_depth(a["per_seed"]),
+                _at_depth_one(a["per_seed"]) + ("%" if _at_depth_one(a["per_seed"]) != "–" else ""),
+                f"{np.mean([p['flops_per_token'] for p in a['per_seed']]) / 1e6:.0f}",
+            ]
+        )
+    out += ["Testing, accuracy on the test rows per seed (each arm at its chosen rate):", ""]
+    head = ["arm (its rate)", *[f"seed {s}" for s in te["seeds"]], "mean", "d̄", "at depth 1", "MFLOPs / answer token"]
+    out += _table(head, rows)
+    rows = []
+    for e in study["effects"]:
+        acr, spearman = e.get("across_seeds"), e["effect"].startswith("depth_vs")
+        if not acr or acr["estimate"] is None or acr["estimate"] != acr["estimate"]:
+            est = "–"
+        elif spearman:
+            est = f"ρ {acr['estimate']:+.3f} {_ci(acr['ci'], 1)}"
+        else:
+            est = f"{_pts(acr['estimate'])} {_ci(acr['ci'])}"
+        fam = e.get("across_seeds_family")
+        per = []
+        for p in e.get("per_seed", []):
+            if "spearman" in p:
+                per.append("–" if p["spearman"] is None or p["spearman"] != p["spearman"] else f"{p['spearman']:+.2f}")
+            elif p.get("difference") is None:
+                per.append("–")
+            else:
+                pv = p.get("sign_flip_p", p.get("mcnemar_p"))
+                per.append(f"{_pts(p['difference'])} (p {_p(pv)})")
+        rows.append(
+            [
+                e["effect"],
+                f"{e['a']} vs {e['b']}",
+                e.get("rows", ""),
+                est,
+                _ci(fam["ci"]) if fam else "",
+                _signs(acr["signs"]) if acr else "–",
+                "; ".join(per),
+                "" if "met" not in e else ("**yes**" if e["met"] else "no"),
+            ]
+        )
+    fam = next((e["across_seeds_family"] for e in study["effects"] if e.get("across_seeds_family")), None)
+    out += [
+        "Effects, a − b in accuracy points (Spearman: ρ); across seeds the mean with its 95% interval from a bootstrap "
+        "that resamples seeds and rows"
+        + (
+            f", and for the {fam['comparisons']} arms against the SFT control the {fam['rule']} "
+            f"{100 * fam['confidence']:.2f}% interval"
+            if fam
+            else ""
+        )
+        + "; per seed exact McNemar (the sign-flip test against random allocation); claims as docs/study.md states "
+        "them:",
+        "",
+    ]
+    out += _table(
+        ["effect", "arms", "rows", "across seeds [95% CI]", "family CI", "sign per seed", "per seed", "claim met"],
+        rows,
+    )
+    out += [
+        f"![study: accuracy vs FLOPs per answer token, every arm and policy, mean over seeds with min–max]"
+        f"({folder}/study.png)"
+    ]
+    return "\n".join(out)
+
+
+def write_readme_block(readme: str | os.PathLike, block: str) -> None:
+    """Replace the text between ``README_BEGIN`` and ``README_END`` in ``readme`` with ``block`` (atomically);
+    a README without the two markers, in that order, is refused and left as it is."""
+    from ..hub.atomic_io import write_text_atomic
+    from ..model.errors import RetrofitUserError
+
+    text = open(readme, encoding="utf-8").read()
+    i, j = text.find(README_BEGIN), text.find(README_END)
+    if i < 0 or j < i:
+        raise RetrofitUserError(
+            f"{readme}: --readme needs the lines {README_BEGIN} and {README_END}, in that order, around the block "
+            "the study writes; add them where the study's tables belong"
+        )
+    write_text_atomic(readme, text[: i + len(README_BEGIN)] + "\n" + block + "\n" + text[j:])
+
+
 def plot_study(study: dict[str, Any], path: str | os.PathLike) -> str:
     """Accuracy vs FLOPs per answer token on the frontier rows: every arm (colour) and policy (marker), each point
     the mean over seeds with the seeds' min–max as error bars in both directions; the decider's points joined."""

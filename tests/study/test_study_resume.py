@@ -323,3 +323,28 @@ def test_finished_only_reports_the_whole_seeds_that_have_finished(reference, tmp
     (none := tmp_path / "none").mkdir()
     with pytest.raises(RetrofitUserError, match="needs every tuning trial finished"):
         R.report_finished(cfg, none)
+
+
+def test_the_readme_block_is_written_between_its_markers_from_the_study(reference, tmp_path, capsys):
+    """``--readme FILE``: the tables between the two markers are ``readme_markdown`` of the study it wrote (paths
+    relative to the README), the text around them untouched; a README without the markers is refused and left as
+    it was."""
+    from retrofit.cli import main
+    from retrofit.study.report import README_BEGIN, README_END, readme_markdown
+
+    out, text, study = reference
+    cfg = write_study(tmp_path / "cfg")
+    shutil.copytree(out / "trials", tmp_path / "res" / "trials")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# intro\n\n{README_BEGIN}\nold tables\n{README_END}\n\n**What it shows.** kept\n")
+    assert main(["study", str(cfg), "--out", str(tmp_path / "res"), "--finished-only", "--readme", str(readme)]) == 0
+    got = readme.read_text()
+    block = readme_markdown(study, "cfg/tiny.yaml", "res")
+    assert got == f"# intro\n\n{README_BEGIN}\n{block}\n{README_END}\n\n**What it shows.** kept\n"
+    assert "| vs_tuned_sft | fixed vs sft |" in block and "(res/study.png)" in block and "old tables" not in got
+
+    bare = tmp_path / "bare.md"
+    bare.write_text("# no markers\n")
+    capsys.readouterr()
+    assert main(["study", str(cfg), "--out", str(tmp_path / "res"), "--finished-only", "--readme", str(bare)]) == 2
+    assert "needs the lines <!-- study:begin -->" in capsys.readouterr().err and bare.read_text() == "# no markers\n"
