@@ -45,6 +45,51 @@ def _signs(v) -> str:
     return " ".join({1: "+", 0: "0", -1: "−", None: "?"}[s] for s in v)
 
 
+def _grid_table(t: dict[str, Any], with_loss: bool) -> list[str]:
+    """The tuning grid: each arm's validation accuracy per learning rate (and its mean answer-token loss), the
+    chosen rate in bold."""
+    lrs = sorted({r["lr"] for a in t["arms"].values() for r in a["trials"]})
+    rows = []
+    for arm, a in t["arms"].items():
+        by = {r["lr"]: r for r in a["trials"]}
+        cells = []
+        for lr in lrs:
+            r = by.get(lr)
+            txt = "" if r is None else f"{_pct(r['accuracy'])}%"
+            if r is not None and with_loss:
+                txt += f" ({r['mean_token_nll']:.3f})"
+            cells.append(f"**{txt}**" if r is not None and lr == a["chosen_lr"] else txt)
+        rows.append([arm, *cells, f"{a['chosen_lr']:g}"])
+    return _table(["arm", *[f"lr {x:g}" for x in lrs], "chosen"], rows)
+
+
+def _test_table(te: dict[str, Any], readme: bool) -> list[str]:
+    """Each arm's test accuracy per seed, its mean, d̄, its mean at depth 1 and FLOPs per answer token (study.md: in
+    points with the rate in a column; README: in % with the rate beside the arm)."""
+    pct = (lambda v: f"{_pct(v)}%" if _pct(v) != "–" else "–") if readme else _pct  # noqa: E731
+    rows = []
+    for arm, a in te["arms"].items():
+        accs = [p["accuracy"] for p in a["per_seed"]]
+        flops = np.mean([p["flops_per_token"] for p in a["per_seed"]]) / 1e6
+        depth1 = _at_depth_one(a["per_seed"])
+        rows.append(
+            [
+                *([f"{arm} ({a['lr']:g})"] if readme else [arm, f"{a['lr']:g}"]),
+                *[pct(x) for x in accs],
+                pct(float(np.mean(accs))),
+                _mean_depth(a["per_seed"]),
+                depth1 + ("%" if readme and depth1 != "–" else ""),
+                f"{flops:.0f}" if readme else f"{flops:.1f}",
+            ]
+        )
+    seeds = [f"seed {p['seed']}" for p in next(iter(te["arms"].values()))["per_seed"]] if te["arms"] else []
+    if readme:
+        head = ["arm (its rate)", *seeds, "mean", "d̄", "at depth 1"]
+    else:
+        head = ["arm", "lr", *seeds, "mean", "d̄ (mean)", "at depth 1 (mean)"]
+    return _table([*head, "MFLOPs / answer token"], rows)
+
+
 def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
     """The tables of a study: the grid and each arm's choice, per-seed and across-seed effects with intervals and
     the claims met or not, the frontier across seeds, the environment and the times."""
@@ -67,36 +112,10 @@ def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
         [[c["claim"], k.split(":", 1)[1], "**yes**" if c["met"] else "no"] for k, c in study["claims"].items()],
     )
     out += ["## Tuning: the same grid for every arm", "", f"Choice: {t['rule']}.", ""]
-    lrs = sorted({r["lr"] for a in t["arms"].values() for r in a["trials"]})
-    rows = []
-    for arm, a in t["arms"].items():
-        by = {r["lr"]: r for r in a["trials"]}
-        cells = []
-        for lr in lrs:
-            r = by.get(lr)
-            txt = "" if r is None else f"{_pct(r['accuracy'])}% ({r['mean_token_nll']:.3f})"
-            cells.append(f"**{txt}**" if r is not None and lr == a["chosen_lr"] else txt)
-        rows.append([arm, *cells, f"{a['chosen_lr']:g}"])
     out += ["Validation accuracy (mean answer-token loss) per learning rate; bold: chosen.", ""]
-    out += _table(["arm", *[f"lr {x:g}" for x in lrs], "chosen"], rows)
-
+    out += _grid_table(t, with_loss=True)
     out += ["## Testing: each arm at its chosen rate", ""]
-    rows = []
-    for arm, a in te["arms"].items():
-        accs = [p["accuracy"] for p in a["per_seed"]]
-        rows.append(
-            [
-                arm,
-                f"{a['lr']:g}",
-                *[_pct(x) for x in accs],
-                _pct(float(np.mean(accs))),
-                _mean_depth(a["per_seed"]),
-                _at_depth_one(a["per_seed"]),
-                f"{np.mean([p['flops_per_token'] for p in a['per_seed']]) / 1e6:.1f}",
-            ]
-        )
-    head = ["arm", "lr", *[f"seed {s}" for s in te["seeds"]], "mean", "d̄ (mean)", "at depth 1 (mean)"]
-    out += _table([*head, "MFLOPs / answer token"], rows)
+    out += _test_table(te, readme=False)
 
     b = study["bootstrap"]
     out += [
@@ -113,7 +132,7 @@ def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
         spearman = e["effect"].startswith("depth_vs")
         est = (
             "–"
-            if not acr or acr["estimate"] != acr["estimate"]
+            if not acr or acr["estimate"] is None or acr["estimate"] != acr["estimate"]
             else (f"{acr['estimate']:+.3f}" if spearman else _pts(acr["estimate"]))
         )
         ci = "–" if not acr else _ci(acr["ci"], 1 if spearman else 100)
@@ -237,34 +256,10 @@ def readme_markdown(study: dict[str, Any], config: str, folder: str) -> str:
     ]
     for w in study.get("warnings") or []:
         out += [f"> **Warning:** {w}.", ""]
-    lrs = sorted({r["lr"] for a in t["arms"].values() for r in a["trials"]})
-    rows = []
-    for arm, a in t["arms"].items():
-        by = {r["lr"]: r for r in a["trials"]}
-        cells = []
-        for lr in lrs:
-            r = by.get(lr)
-            txt = "" if r is None else f"{_pct(r['accuracy'])}%"
-            cells.append(f"**{txt}**" if r is not None and lr == a["chosen_lr"] else txt)
-        rows.append([arm, *cells, f"{a['chosen_lr']:g}"])
     out += ["Tuning, validation accuracy per learning rate (bold: chosen):", ""]
-    out += _table(["arm", *[f"lr {x:g}" for x in lrs], "chosen"], rows)
-    rows = []
-    for arm, a in te["arms"].items():
-        accs = [p["accuracy"] for p in a["per_seed"]]
-        rows.append(
-            [
-                f"{arm} ({a['lr']:g})",
-                *[f"{_pct(x)}%" for x in accs],
-                f"{_pct(float(np.mean(accs)))}%",
-                _mean_depth(a["per_seed"]),
-                _at_depth_one(a["per_seed"]) + ("%" if _at_depth_one(a["per_seed"]) != "–" else ""),
-                f"{np.mean([p['flops_per_token'] for p in a['per_seed']]) / 1e6:.0f}",
-            ]
-        )
+    out += _grid_table(t, with_loss=False)
     out += ["Testing, accuracy on the test rows per seed (each arm at its chosen rate):", ""]
-    head = ["arm (its rate)", *[f"seed {s}" for s in te["seeds"]], "mean", "d̄", "at depth 1", "MFLOPs / answer token"]
-    out += _table(head, rows)
+    out += _test_table(te, readme=True)
     rows = []
     for e in study["effects"]:
         acr, spearman = e.get("across_seeds"), e["effect"].startswith("depth_vs")
