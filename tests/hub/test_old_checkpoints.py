@@ -28,8 +28,10 @@ def _check(model, ref):
         out = model(ids, labels=ids)
         gen = model.generate(ids[:, :6], max_new_tokens=8, do_sample=False)
     assert out.depths.tolist() == ref["depths"]
-    assert float(out.loss) == pytest.approx(ref["loss"], abs=1e-6)
-    assert float(out.aux_loss) == pytest.approx(ref["aux_loss"], abs=1e-7)
+    # float32 reductions run in another order on another CPU: the CI machine's aux loss was 2.5e-6 apart (relative)
+    # from the one that wrote the reference; a moved loss weight read wrongly changes it by tens of percent
+    assert float(out.loss) == pytest.approx(ref["loss"], rel=1e-5)
+    assert float(out.aux_loss) == pytest.approx(ref["aux_loss"], rel=2e-5)
     assert float(out.logits.double().sum()) == pytest.approx(ref["logits_sum"], rel=1e-6, abs=1e-3)
     assert gen.tolist() == ref["generated"]
 
