@@ -6,6 +6,7 @@ learning rate with several seeds, and report the effects per seed and across see
     retrofit study recipes/studies/main.yaml --out docs/studies/main     # run, or resume after a kill
     retrofit study recipes/studies/main.yaml --dry-run                   # which trials are done, which would run
     retrofit study recipes/studies/main.yaml --finished-only             # the report of the finished trials only
+    retrofit study recipes/studies/main.yaml --arms sft,fixed,tah2 --seeds 1,2,3   # a part first; the rest later
 """
 
 from __future__ import annotations
@@ -28,6 +29,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Trials run at a time, each in its own process with the config's threads (results do not depend on it; "
         "keep jobs x threads at or below the cores).",
     )
+    p.add_argument(
+        "--arms",
+        type=_names,
+        default=None,
+        metavar="A,B",
+        help="Only these of the config's enabled arms (comma-separated). Their trials are the whole study's: run the "
+        "same command without --arms later into the same --out and only the missing trials run. The report says "
+        "which arms it leaves out.",
+    )
+    p.add_argument(
+        "--seeds",
+        type=_seeds,
+        default=None,
+        metavar="1,2,3",
+        help="Only these of the config's test seeds (comma-separated); like --arms, the rest can run later.",
+    )
     p.add_argument("--dry-run", action="store_true", help="Print which trials are done and which would run; run none.")
     p.add_argument(
         "--finished-only",
@@ -45,17 +62,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="No progress bars.")
 
 
+def _names(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected arm names separated by commas, got {value!r}")
+    return names
+
+
+def _seeds(value: str) -> list[int]:
+    try:
+        seeds = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {value!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {value!r}")
+    return seeds
+
+
 def run(args: argparse.Namespace) -> int:
     from ..study.runner import plan, report_finished, run_study
 
+    part = {"arms": args.arms, "seeds": args.seeds}
     if args.dry_run:
-        for trial, state in plan(args.config, args.out):
+        for trial, state in plan(args.config, args.out, **part):
             print(f"{state:>13}  {trial}")
         return 0
     if args.finished_only:
-        study = report_finished(args.config, args.out)
+        study = report_finished(args.config, args.out, **part)
     else:
-        study = run_study(args.config, args.out, jobs=args.jobs, progress=not args.quiet)
+        study = run_study(args.config, args.out, jobs=args.jobs, progress=not args.quiet, **part)
     if args.readme is not None:
         _write_readme(args, study)
     for key, c in study["claims"].items():

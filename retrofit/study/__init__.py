@@ -20,6 +20,7 @@ from ..model.lazy import lazy_exports
 _EXPORTS = {
     "StudyConfig": ".config",
     "load_study": ".config",
+    "select": ".config",
     "Trial": ".trial",
     "run_trial": ".trial",
     "plan": ".runner",

@@ -273,3 +273,46 @@ def load_study(path: str | Path) -> StudyConfig:
         out=(here / raw["out"]).resolve() if raw.get("out") else None,
         warnings=tuple(warnings),
     )
+
+
+def select(cfg: StudyConfig, arms: list[str] | None = None, seeds: list[int] | None = None) -> StudyConfig:
+    """A part of the study (``retrofit study --arms --seeds``): some of its enabled arms, some of its test seeds.
+
+    The trials keep their keys (a trial's key does not depend on the other arms or seeds), so a part run into the
+    study's folder is part of the whole: run the controls and the default arm on three seeds first, and the same
+    command without ``--arms`` / ``--seeds`` later runs only what is missing. The part's study.json and study.md
+    carry a warning naming what it leaves out.
+    """
+    if arms is None and seeds is None:
+        return cfg
+    names = [a.name for a in cfg.arms]
+    keep_arms = names if arms is None else list(dict.fromkeys(arms))
+    unknown = [a for a in keep_arms if a not in names]
+    if unknown or not keep_arms:
+        raise RetrofitUserError(
+            f"--arms: {', '.join(unknown) or 'none given'} not among the enabled arms of {cfg.path.name} "
+            f"({', '.join(names)}; an arm with enabled: false is turned on in the file)"
+        )
+    keep_seeds = list(cfg.test_seeds) if seeds is None else list(dict.fromkeys(seeds))
+    extra = [s for s in keep_seeds if s not in cfg.test_seeds]
+    if extra or not keep_seeds:
+        raise RetrofitUserError(
+            f"--seeds: {', '.join(map(str, extra)) or 'none given'} not among the test seeds of {cfg.path.name} "
+            f"({', '.join(map(str, cfg.test_seeds))}); add a seed to testing.seeds in the file"
+        )
+    left = [n for n in names if n not in keep_arms]
+    rest = [s for s in cfg.test_seeds if s not in keep_seeds]
+    parts = ([f"arm(s) {', '.join(left)}"] if left else []) + (
+        [f"test seed(s) {', '.join(map(str, rest))}"] if rest else []
+    )
+    warnings = list(cfg.warnings)
+    if parts:
+        warnings.append(f"a part of the study: it leaves out {' and '.join(parts)} (--arms / --seeds)")
+    if len(keep_seeds) < MIN_SEEDS <= len(cfg.test_seeds):
+        warnings.append(f"{len(keep_seeds)} test seed(s) (< {MIN_SEEDS}): the across-seed intervals are not a result")
+    return dataclasses.replace(
+        cfg,
+        arms=tuple(a for a in cfg.arms if a.name in keep_arms),
+        test_seeds=tuple(s for s in cfg.test_seeds if s in keep_seeds),
+        warnings=tuple(warnings),
+    )

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..model.errors import RetrofitUserError
 from . import analysis as A
-from .config import StudyConfig, load_study
+from .config import StudyConfig, load_study, select
 from .env import environment
 from .trial import Trial, check_arms, read_result, run_trial, trial_key
 
@@ -115,7 +115,14 @@ def default_out(cfg: StudyConfig) -> Path:
 
 
 def run_study(
-    config: str | Path, out: str | Path | None = None, jobs: int = 1, progress: bool = True, runner=run_trial
+    config: str | Path,
+    out: str | Path | None = None,
+    jobs: int = 1,
+    progress: bool = True,
+    runner=run_trial,
+    *,
+    arms: list[str] | None = None,
+    seeds: list[int] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) the study in ``config`` into ``out`` (default: the config's ``out``, else
     ``outputs/studies/<name>``); write study.json, timings.json, study.md and study.png; return the study dict.
@@ -123,10 +130,12 @@ def run_study(
     Args:
         jobs: trials at a time (``--jobs``; each worker uses the config's ``threads``).
         runner: the trial runner (tests inject failures through it).
+        arms, seeds: run and report only these arms and test seeds (``config.select``: a part of the study, whose
+            trials the whole study later reuses).
     """
     from tqdm.auto import tqdm
 
-    cfg = load_study(config)
+    cfg = select(load_study(config), arms, seeds)
     for w in cfg.warnings:
         logger.warning("%s: %s", cfg.path.name, w)
     check_arms(cfg)
@@ -141,14 +150,20 @@ def run_study(
     return write_study(cfg, study.out, choices, results)
 
 
-def report_finished(config: str | Path, out: str | Path | None = None) -> dict[str, Any]:
+def report_finished(
+    config: str | Path,
+    out: str | Path | None = None,
+    *,
+    arms: list[str] | None = None,
+    seeds: list[int] | None = None,
+) -> dict[str, Any]:
     """``--finished-only``: write study.json, study.md and the plot from the trials that have finished, running
     none: the tuning must be complete; the test seeds are those at which every arm has finished (trials run seed
     by seed, so a study stopped early has whole seeds). With fewer seeds than the config lists, study.json and
     study.md carry a warning that says so; rerunning the study without the flag runs the rest."""
     import dataclasses
 
-    cfg = load_study(config)
+    cfg = select(load_study(config), arms, seeds)
     check_arms(cfg)
     study = Study(cfg, Path(out) if out is not None else default_out(cfg), progress=False)
     tuned = {t: study.result(t) for t in tuning_trials(cfg)}
@@ -177,9 +192,15 @@ def report_finished(config: str | Path, out: str | Path | None = None) -> dict[s
     return write_study(cfg, study.out, choices, results)
 
 
-def plan(config: str | Path, out: str | Path | None = None) -> list[tuple[str, str]]:
+def plan(
+    config: str | Path,
+    out: str | Path | None = None,
+    *,
+    arms: list[str] | None = None,
+    seeds: list[int] | None = None,
+) -> list[tuple[str, str]]:
     """``--dry-run``: ``[(trial id or phase, state)]``: which trials are done, which would run next."""
-    cfg = load_study(config)
+    cfg = select(load_study(config), arms, seeds)
     check_arms(cfg)
     study = Study(cfg, Path(out) if out is not None else default_out(cfg))
     rows = [(t.id, "done" if study.result(t) else "to run") for t in tuning_trials(cfg)]

@@ -95,3 +95,35 @@ def test_the_command_reports_a_bad_config_on_one_line(tmp_path, capsys):
     assert main(["study", str(good), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.count("to run") == 6 and out.count("after tuning") == 3 and "tune-tah2-lr0.003-s0" in out
+
+
+def test_a_part_of_the_study_keeps_its_trials_and_says_what_it_leaves_out(tmp_path, capsys):
+    """``--arms`` / ``--seeds`` (``config.select``): the chosen arms and seeds in the config's order, the trials'
+    keys unchanged (a part's results are the whole study's), a warning naming what is left out; unknown names and
+    seeds are refused naming what is allowed."""
+    from retrofit.cli import main
+    from retrofit.study.config import select
+    from retrofit.study.trial import Trial, trial_key
+
+    full = STUDY.replace("[1.0e-3, 3.0e-3]", "[1.0e-3, 2.0e-3, 3.0e-3]").replace("seeds: [1, 2]", "seeds: [1, 2, 3]")
+    cfg = _load(tmp_path, full)
+    assert select(cfg) is cfg
+    part = select(cfg, ["tah2", "sft"], [3, 1])
+    assert [a.name for a in part.arms] == ["sft", "tah2"] and part.test_seeds == (1, 3)
+    assert part.warnings == (
+        "a part of the study: it leaves out arm(s) fixed and test seed(s) 2 (--arms / --seeds)",
+        "2 test seed(s) (< 3): the across-seed intervals are not a result",
+    )
+    for t in (Trial("tune", "tah2", 2e-3, 0), Trial("test", "sft", 1e-3, 3)):
+        assert trial_key(part, t) == trial_key(cfg, t)
+    assert select(cfg, arms=["fixed", "sft", "tah2"]).warnings == ()
+    with pytest.raises(RetrofitUserError, match=r"--arms: ouro not among the enabled arms of tiny.yaml \(sft, fixed"):
+        select(cfg, ["sft", "ouro"])
+    with pytest.raises(RetrofitUserError, match=r"--seeds: 7 not among the test seeds of tiny.yaml \(1, 2, 3\)"):
+        select(cfg, seeds=[1, 7])
+    path = tmp_path / "tiny.yaml"
+    assert main(["study", str(path), "--out", str(tmp_path / "out"), "--dry-run", "--arms", "sft", "--seeds", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and all("sft" in line or "after tuning" in line for line in lines)
+    with pytest.raises(SystemExit):
+        main(["study", str(path), "--dry-run", "--seeds", "one"])

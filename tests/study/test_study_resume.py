@@ -348,3 +348,22 @@ def test_the_readme_block_is_written_between_its_markers_from_the_study(referenc
     capsys.readouterr()
     assert main(["study", str(cfg), "--out", str(tmp_path / "res"), "--finished-only", "--readme", str(bare)]) == 2
     assert "needs the lines <!-- study:begin -->" in capsys.readouterr().err and bare.read_text() == "# no markers\n"
+
+
+def test_a_part_run_first_is_resumed_into_the_whole_study(reference, tmp_path):
+    """``--arms sft,tah2 --seeds 1`` runs those arms' tuning and seed 1 only, and its report says what it leaves
+    out; the whole study run after it into the same folder runs only the rest and writes the uninterrupted
+    study.json."""
+    out, text, study = reference
+    cfg = write_study(tmp_path / "cfg")
+    first = Counting()
+    part = R.run_study(cfg, tmp_path / "out", progress=False, runner=first, arms=["sft", "tah2"], seeds=[1])
+    assert first.calls == 2 * 2 + 2
+    assert any("leaves out arm(s) fixed and test seed(s) 2" in w for w in part["warnings"])
+    assert "leaves out arm(s) fixed" in (tmp_path / "out" / "study.md").read_text()
+    for arm in ("sft", "tah2"):
+        assert part["testing"]["arms"][arm]["per_seed"] == study["testing"]["arms"][arm]["per_seed"][:1]
+    rest = Counting()
+    R.run_study(cfg, tmp_path / "out", progress=False, runner=rest)
+    assert rest.calls == N_TRIALS - first.calls
+    assert (tmp_path / "out" / "study.json").read_text() == text
