@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--arms",
-        type=_names,
+        type=_comma_list(str, "arm names"),
         default=None,
         metavar="A,B",
         help="Only these of the config's enabled arms (comma-separated). Their trials are the whole study's: run the "
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seeds",
-        type=_seeds,
+        type=_comma_list(int, "integers"),
         default=None,
         metavar="1,2,3",
         help="Only these of the config's test seeds (comma-separated); like --arms, the rest can run later.",
@@ -62,21 +62,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="No progress bars.")
 
 
-def _names(value: str) -> list[str]:
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected arm names separated by commas, got {value!r}")
-    return names
+def _comma_list(cast, what: str):
+    """An argparse type: a comma-separated list of ``cast`` values, at least one."""
 
+    def parse(value: str) -> list:
+        try:
+            items = [cast(v.strip()) for v in value.split(",") if v.strip()]
+        except ValueError:
+            items = []
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected {what} separated by commas, got {value!r}")
+        return items
 
-def _seeds(value: str) -> list[int]:
-    try:
-        seeds = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {value!r}") from None
-    if not seeds:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {value!r}")
-    return seeds
+    return parse
 
 
 def run(args: argparse.Namespace) -> int:

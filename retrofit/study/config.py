@@ -181,6 +181,10 @@ def _eval(value: Any, defaults: dict, where: str) -> dict:
     return merged
 
 
+def _few_seeds(n: int) -> str:
+    return f"{n} test seed(s) (< {MIN_SEEDS}): the across-seed intervals are not a result"
+
+
 def load_study(path: str | Path) -> StudyConfig:
     """Read and check a study file (module docstring); raises ``RetrofitUserError`` naming the first problem."""
     import yaml
@@ -248,7 +252,7 @@ def load_study(path: str | Path) -> StudyConfig:
     if len(set(seeds)) != len(seeds):
         raise RetrofitUserError(f"testing.seeds must be distinct, got {seeds}")
     if len(seeds) < MIN_SEEDS:
-        warnings.append(f"{len(seeds)} test seed(s) (< {MIN_SEEDS}): the across-seed intervals are not a result")
+        warnings.append(_few_seeds(len(seeds)))
     tseed = tuning.get("seed", 0)
     if not isinstance(tseed, int):
         raise RetrofitUserError(f"tuning.seed must be an integer, got {tseed!r}")
@@ -308,8 +312,8 @@ def select(cfg: StudyConfig, arms: list[str] | None = None, seeds: list[int] | N
     warnings = list(cfg.warnings)
     if parts:
         warnings.append(f"a part of the study: it leaves out {' and '.join(parts)} (--arms / --seeds)")
-    if len(keep_seeds) < MIN_SEEDS <= len(cfg.test_seeds):
-        warnings.append(f"{len(keep_seeds)} test seed(s) (< {MIN_SEEDS}): the across-seed intervals are not a result")
+    if len(keep_seeds) < MIN_SEEDS <= len(cfg.test_seeds):  # (a config with fewer already warns)
+        warnings.append(_few_seeds(len(keep_seeds)))
     return dataclasses.replace(
         cfg,
         arms=tuple(a for a in cfg.arms if a.name in keep_arms),

@@ -114,6 +114,14 @@ def default_out(cfg: StudyConfig) -> Path:
     return cfg.out or Path("outputs") / "studies" / cfg.name
 
 
+def _open(config, out, arms, seeds, progress: bool = False, runner=run_trial) -> Study:
+    """The study in ``config`` (the part ``arms`` / ``seeds`` selects), its arms checked, in ``out`` (default:
+    ``default_out``)."""
+    cfg = select(load_study(config), arms, seeds)
+    check_arms(cfg)
+    return Study(cfg, Path(out) if out is not None else default_out(cfg), progress, runner)
+
+
 def run_study(
     config: str | Path,
     out: str | Path | None = None,
@@ -135,13 +143,12 @@ def run_study(
     """
     from tqdm.auto import tqdm
 
-    cfg = select(load_study(config), arms, seeds)
+    study = _open(config, out, arms, seeds, progress, runner)
+    cfg = study.cfg
     for w in cfg.warnings:
         logger.warning("%s: %s", cfg.path.name, w)
-    check_arms(cfg)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise RetrofitUserError(f"--jobs must be a positive integer, got {jobs!r}")
-    study = Study(cfg, Path(out) if out is not None else default_out(cfg), progress, runner)
     n = sum(len(a.learning_rates) + len(cfg.test_seeds) for a in cfg.arms)
     with tqdm(total=n, desc=f"study {cfg.name}", unit="trial", disable=not progress, dynamic_ncols=True) as bar:
         results = study.run(tuning_trials(cfg), jobs, bar)
@@ -163,9 +170,8 @@ def report_finished(
     study.md carry a warning that says so; rerunning the study without the flag runs the rest."""
     import dataclasses
 
-    cfg = select(load_study(config), arms, seeds)
-    check_arms(cfg)
-    study = Study(cfg, Path(out) if out is not None else default_out(cfg), progress=False)
+    study = _open(config, out, arms, seeds)
+    cfg = study.cfg
     tuned = {t: study.result(t) for t in tuning_trials(cfg)}
     missing = [t.id for t, r in tuned.items() if r is None]
     if missing:
@@ -200,9 +206,8 @@ def plan(
     seeds: list[int] | None = None,
 ) -> list[tuple[str, str]]:
     """``--dry-run``: ``[(trial id or phase, state)]``: which trials are done, which would run next."""
-    cfg = select(load_study(config), arms, seeds)
-    check_arms(cfg)
-    study = Study(cfg, Path(out) if out is not None else default_out(cfg))
+    study = _open(config, out, arms, seeds)
+    cfg = study.cfg
     rows = [(t.id, "done" if study.result(t) else "to run") for t in tuning_trials(cfg)]
     tuned = {t: study.result(t) for t in tuning_trials(cfg)}
     if all(tuned.values()):
