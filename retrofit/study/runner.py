@@ -208,8 +208,8 @@ def plan(
     """``--dry-run``: ``[(trial id or phase, state)]``: which trials are done, which would run next."""
     study = _open(config, out, arms, seeds)
     cfg = study.cfg
-    rows = [(t.id, "done" if study.result(t) else "to run") for t in tuning_trials(cfg)]
     tuned = {t: study.result(t) for t in tuning_trials(cfg)}
+    rows = [(t.id, "done" if r else "to run") for t, r in tuned.items()]
     if all(tuned.values()):
         rows += [(t.id, "done" if study.result(t) else "to run") for t in test_trials(cfg, A.choose(cfg, tuned))]
     else:
