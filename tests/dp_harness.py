@@ -146,6 +146,44 @@ def _no_final_save():
     return NoFinalSave()
 
 
+def _poison_zero3_padding():
+    """A callback that, under ZeRO-3, writes NaN into every padding element of this rank's parameter shards when
+    training begins and after every optimizer step (before the Trainer's save), and counts them (``poisoned``).
+
+    DeepSpeed pads each parameter to a multiple of the world size and allocates the shards and its fp32 master
+    copy with ``torch.empty``, so the padding holds whatever memory held and the optimizer step copies the master's
+    padding back: measured here as NaN, -3.2e13 or a small number from one launch to the next (Ouro's 1-element
+    gate bias has a whole padding shard on rank 1 of 2; a CI machine's NaN guard once refused to save its
+    ``checkpoint-2`` for it). Poisoning it on purpose makes the worst case every machine's: the runs must train,
+    save and match as before. Under the other engines it does nothing."""
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    class PoisonPadding(TrainerCallback):
+        poisoned = None
+
+        def _poison(self, model) -> int:
+            count = 0
+            for p in model.parameters():
+                shard = getattr(p, "ds_tensor", None)
+                if shard is None:
+                    continue
+                size = shard.numel()
+                held = min(size, max(0, p.ds_numel - dist.get_rank() * size))  # the elements of p this rank holds
+                with torch.no_grad():
+                    shard.view(-1)[held:] = float("nan")
+                count += size - held
+            return count
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.poisoned = self._poison(model)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self._poison(model)
+
+    return PoisonPadding()
+
+
 def fsdp2_environment(config: Path = REPO / "launch" / "fsdp2.yaml") -> dict[str, str]:
     """What ``accelerate launch --config_file launch/fsdp2.yaml`` exports for its ``fsdp_config``
     (``ACCELERATE_USE_FSDP`` and ``FSDP_<KEY>`` per ``fsdp_<key>``), so that a ``torchrun`` launch runs the same
@@ -234,8 +272,9 @@ def train_one(name: str, engine: str, args, world: int) -> None:
         max_length=32,
         bf16=False,
     )
+    poison = _poison_zero3_padding()
     trainer = _trainer_class()(
-        model, targs, train_dataset=train, processing_class=char_tokenizer(), callbacks=[_no_final_save()]
+        model, targs, train_dataset=train, processing_class=char_tokenizer(), callbacks=[_no_final_save(), poison]
     )
     trainer.records = []
     times["init"] = time.time()
@@ -246,6 +285,7 @@ def train_one(name: str, engine: str, args, world: int) -> None:
     times["train"] = time.time()
     wrapped = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
     state = trainer.accelerator.get_state_dict(wrapped)  # collective under FSDP2 / ZeRO-3
+    poisoned = _gather(poison.poisoned)  # collective: on every rank
     if trainer.accelerator.is_main_process:
         weights = {k: v.detach().to("cpu", torch.float32).clone() for k, v in state.items()}
         torch.save(weights, out / "weights.pt")
@@ -259,6 +299,8 @@ def train_one(name: str, engine: str, args, world: int) -> None:
             "distributed_type": str(trainer.accelerator.distributed_type),
             "wrapped": type(trainer.model_wrapped).__name__,
             "fsdp_module": _is_fsdp_module(trainer.model),
+            # ZeRO-3 padding elements set to NaN on each rank (``_poison_zero3_padding``)
+            "poisoned_padding": poisoned,
             "seconds": {k: round(times[k] - times["start"], 2) for k in ("init", "train")},
             "records": trainer.records,
             "log_history": trainer.state.log_history,

@@ -18,6 +18,25 @@ class NonFiniteLossError(RetrofitUserError, RuntimeError):
     (before the optimizer step, or before writing a checkpoint)."""
 
 
+def local_values(param: torch.Tensor) -> torch.Tensor:
+    """The values of ``param`` this process holds: the parameter itself, or under DeepSpeed ZeRO-3 the part of its
+    shard (``ds_tensor``) that holds elements of the parameter.
+
+    ZeRO-3 pads each parameter to a multiple of the partition group's size, and the shard of the rank holding the
+    padding is allocated with ``torch.empty``: those elements are never written and may read as NaN (a 1-element
+    bias has a whole padding shard on rank 1 of 2). They are not the model's weights, so they are not checked.
+    """
+    shard = getattr(param, "ds_tensor", None)
+    if shard is None:
+        return param
+    numel, rank = getattr(param, "ds_numel", None), getattr(param, "ds_zero_partition_rank", None)
+    if numel is None or rank is None:
+        return shard
+    flat = shard.reshape(-1)
+    size = flat.numel()
+    return flat[: max(0, min(size, numel - rank * size))]
+
+
 class NanGuardMixin:
     """``_check_finite`` (in ``compute_loss``), ``_refuse_nonfinite_save`` (before every save)."""
 
@@ -87,7 +106,7 @@ class NanGuardMixin:
     def _nonfinite_state(self, optimizer: bool = True) -> list[str]:
         """What holds NaN/inf on this process: ``"parameters"``, ``"gradients"``, ``"optimizer state"``.
 
-        Under DeepSpeed ZeRO-3 a parameter's local shard (``ds_tensor``) is checked.
+        Under DeepSpeed ZeRO-3 the values of a parameter's local shard are checked (``local_values``).
         """
         found = []
         params = list(self.model.parameters())
@@ -95,7 +114,7 @@ class NanGuardMixin:
         def finite(t) -> bool:
             return t is None or not t.is_floating_point() or t.numel() == 0 or bool(torch.isfinite(t).all())
 
-        if not all(finite(getattr(p, "ds_tensor", p)) for p in params):
+        if not all(finite(local_values(p)) for p in params):
             found.append("parameters")
         if not all(finite(p.grad) for p in params):
             found.append("gradients")

@@ -190,6 +190,15 @@ def test_same_rows_and_first_step_next_token_loss(runs, engine, method):
 
 
 @pytest.mark.parametrize("engine, method", cases())
+def test_zero3_padding_was_poisoned(runs, engine, method):
+    """The harness's NaN in ZeRO-3's shard padding (``dp_harness._poison_zero3_padding``) reached a shard: Ouro's
+    1-element gate bias pads rank 1's shard; the other methods' parameters all have even sizes; the other engines
+    have no shards. The run trained and saved ``checkpoint-2`` anyway (every other test here reads it)."""
+    padded = sum(runs.run(engine, method)["poisoned_padding"])
+    assert padded == (1 if (engine, method) == ("zero3", "ouro") else 0)
+
+
+@pytest.mark.parametrize("engine, method", cases())
 def test_first_step_loss(runs, engine, method):
     """The logged loss at step 0 (next-token + the method's auxiliary loss). TaH2's auxiliary loss reads κ."""
     ref, run = H.logged(runs.reference(method)), H.logged(runs.run(engine, method))

@@ -32,6 +32,7 @@ from retrofit.training.checkpointing import (
     list_checkpoints,
     weights_are_finite,
 )
+from retrofit.training.nan_guard import local_values
 
 METHODS = ["tah2", "anira-e", "anira-o", "fixed"]
 
@@ -137,3 +138,18 @@ def test_the_final_model_is_not_written_with_nan_weights(tmp_path):
     with pytest.raises(NonFiniteLossError, match="parameters became non-finite.*not writing .*final"):
         tr.save_model_atomic(str(tmp_path / "final"))
     assert not (tmp_path / "final").exists()
+
+
+@pytest.mark.parametrize("rank, held", [(0, [0.0, 1.0]), (1, [2.0, 3.0]), (2, [4.0]), (3, [])])
+def test_zero3_shard_padding_is_not_a_weight(rank, held):
+    """ZeRO-3 shards a 5-element parameter over 4 ranks in shards of ceil(5/4) = 2, padded to 8: rank 2's second
+    element and rank 3's whole shard are padding DeepSpeed never writes (it may read NaN). ``local_values`` is the
+    parameter's elements each rank holds, and the NaN guard checks only those."""
+    size, world = 2, 4
+    padded = torch.cat([torch.arange(5.0), torch.full((size * world - 5,), float("nan"))])
+    p = torch.nn.Parameter(torch.empty(0))
+    p.ds_tensor, p.ds_numel, p.ds_zero_partition_rank = padded[rank * size : (rank + 1) * size].clone(), 5, rank
+    assert local_values(p).tolist() == held
+    assert bool(torch.isfinite(p.ds_tensor).all()) == (rank < 2)
+    plain = torch.nn.Parameter(torch.ones(2))
+    assert local_values(plain) is plain
