@@ -23,8 +23,9 @@ from .trial import Trial, bits
 
 #: how the tuning choice is made, in study.json and study.md
 CHOICE_RULE = (
-    "the highest validation accuracy (greedy exact match over every validation row); ties by the lower mean "
-    "teacher-forced loss of the answer tokens, then by the smaller learning rate"
+    "the highest validation accuracy (greedy exact match over every validation row; with several tuning seeds its "
+    "mean over them); ties by the lower mean teacher-forced loss of the answer tokens, then by the smaller learning "
+    "rate"
 )
 #: resamples of the across-seed bootstrap of a mean difference, and of a Spearman (which is recomputed per resample)
 N_BOOT = 10_000
@@ -43,22 +44,28 @@ CLAIMS = {
 
 
 def choose(cfg: StudyConfig, results: dict[Trial, dict]) -> dict[str, dict[str, Any]]:
-    """Each arm's learning rate from its tuning trials (``CHOICE_RULE``)."""
+    """Each arm's learning rate from its tuning trials (``CHOICE_RULE``). With several tuning seeds a rate's
+    accuracy and loss are the means over them, and its row lists each seed's accuracy and trial."""
     out = {}
+    several = len(cfg.tuning_seeds) > 1
     for arm in cfg.arms:
         rows = []
         for lr in arm.learning_rates:
-            r = results[Trial("tune", arm.name, lr, cfg.tuning_seed)]
-            nll = r.get("mean_token_nll")
-            rows.append(
-                {
-                    "lr": lr,
-                    "accuracy": r["accuracy"],
-                    "mean_token_nll": nll,
-                    "trial": r["trial"]["id"],
-                    "n": r["rows"]["n"],
-                }
-            )
+            rs = [results[Trial("tune", arm.name, lr, s)] for s in cfg.tuning_seeds]
+            nlls = [r.get("mean_token_nll") for r in rs]
+            row = {
+                "lr": lr,
+                "accuracy": float(np.mean([r["accuracy"] for r in rs])) if several else rs[0]["accuracy"],
+                "mean_token_nll": None if None in nlls else (float(np.mean(nlls)) if several else nlls[0]),
+                "trial": rs[0]["trial"]["id"],
+                "n": rs[0]["rows"]["n"],
+            }
+            if several:
+                row["per_seed"] = [
+                    {"seed": s, "accuracy": r["accuracy"], "trial": r["trial"]["id"]}
+                    for s, r in zip(cfg.tuning_seeds, rs)
+                ]
+            rows.append(row)
         best = min(
             rows,
             key=lambda t: (-t["accuracy"], np.inf if t["mean_token_nll"] is None else t["mean_token_nll"], t["lr"]),

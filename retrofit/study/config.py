@@ -8,7 +8,7 @@
     budget: {max_steps: 240, per_device_train_batch_size: 8}   # the training budget: every arm, no override
     threads: 2                                  # torch threads per trial (the numbers depend on it)
     keep_models: false                          # delete each trial's weights once its result JSON is written
-    tuning: {seed: 0, learning_rates: [2.5e-4, 5.0e-4, 1.0e-3], eval: {...}}
+    tuning: {seed: 0, learning_rates: [2.5e-4, 5.0e-4, 1.0e-3], eval: {...}}   # or seeds: [0, 6]: the mean
     testing: {seeds: [1, 2, 3], eval: {...}}
     arms:
       sft: {kind: sft}                          # the base as a plain causal LM (recipe.controls)
@@ -112,7 +112,7 @@ class StudyConfig:
     path: Path
     name: str
     arms: tuple[Arm, ...]
-    tuning_seed: int
+    tuning_seeds: tuple[int, ...]
     test_seeds: tuple[int, ...]
     tune_eval: dict = field(default_factory=dict)
     test_eval: dict = field(default_factory=dict)
@@ -121,6 +121,11 @@ class StudyConfig:
     description: str = ""
     out: Path | None = None
     warnings: tuple[str, ...] = ()
+
+    @property
+    def tuning_seed(self) -> int:
+        """The first tuning seed (the one, in a study tuned with one)."""
+        return self.tuning_seeds[0]
 
     def arm(self, name: str) -> Arm:
         for a in self.arms:
@@ -181,6 +186,23 @@ def _eval(value: Any, defaults: dict, where: str) -> dict:
     return merged
 
 
+def _tuning_seeds(tuning: dict) -> tuple[int, ...]:
+    """``tuning.seed`` (one seed, default 0) or ``tuning.seeds`` (several: each rate's choice is the mean over them)."""
+    if "seed" in tuning and "seeds" in tuning:
+        raise RetrofitUserError("tuning: give seed (one tuning seed) or seeds (a list), not both")
+    if "seeds" not in tuning:
+        s = tuning.get("seed", 0)
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise RetrofitUserError(f"tuning.seed must be an integer, got {s!r}")
+        return (s,)
+    s = tuning["seeds"]
+    if not isinstance(s, (list, tuple)) or not s or not all(isinstance(x, int) and not isinstance(x, bool) for x in s):
+        raise RetrofitUserError(f"tuning.seeds must be a non-empty list of integers, got {s!r}")
+    if len(set(s)) != len(s):
+        raise RetrofitUserError(f"tuning.seeds must be distinct, got {s}")
+    return tuple(s)
+
+
 def _few_seeds(n: int) -> str:
     return f"{n} test seed(s) (< {MIN_SEEDS}): the across-seed intervals are not a result"
 
@@ -211,7 +233,7 @@ def load_study(path: str | Path) -> StudyConfig:
     common = _flags(raw.get("set"), "set")
     budget = _flags(raw.get("budget"), "budget")
     tuning = _mapping(raw.get("tuning"), "tuning")
-    _keys(tuning, ("seed", "learning_rates", "eval"), "tuning")
+    _keys(tuning, ("seed", "seeds", "learning_rates", "eval"), "tuning")
     testing = _mapping(raw.get("testing"), "testing")
     _keys(testing, ("seeds", "eval"), "testing")
     grid = _lrs(tuning["learning_rates"], "tuning.learning_rates") if "learning_rates" in tuning else None
@@ -253,11 +275,12 @@ def load_study(path: str | Path) -> StudyConfig:
         raise RetrofitUserError(f"testing.seeds must be distinct, got {seeds}")
     if len(seeds) < MIN_SEEDS:
         warnings.append(_few_seeds(len(seeds)))
-    tseed = tuning.get("seed", 0)
-    if not isinstance(tseed, int):
-        raise RetrofitUserError(f"tuning.seed must be an integer, got {tseed!r}")
-    if tseed in seeds:
-        warnings.append(f"the tuning seed {tseed} is also a test seed: that test run was part of the choice")
+    tseeds = _tuning_seeds(tuning)
+    both = sorted(set(tseeds) & set(seeds))
+    if both:
+        warnings.append(
+            f"tuning seed {', '.join(map(str, both))} is also a test seed: that test run was part of the choice"
+        )
     threads = raw.get("threads", 1)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise RetrofitUserError(f"threads must be a positive integer, got {threads!r}")
@@ -267,7 +290,7 @@ def load_study(path: str | Path) -> StudyConfig:
         path=path,
         name=raw.get("name", path.stem),
         arms=tuple(arms),
-        tuning_seed=tseed,
+        tuning_seeds=tseeds,
         test_seeds=tuple(seeds),
         tune_eval=_eval(tuning.get("eval"), TUNE_EVAL, "tuning.eval"),
         test_eval=_eval(testing.get("eval"), TEST_EVAL, "testing.eval"),

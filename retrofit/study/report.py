@@ -45,6 +45,13 @@ def _signs(v) -> str:
     return " ".join({1: "+", 0: "0", -1: "−", None: "?"}[s] for s in v)
 
 
+def _tuning_seeds(t: dict[str, Any]) -> str:
+    """``seed 0``, or ``seeds 0, 6 (each rate: the mean)`` for a study tuned with several seeds."""
+    if "seeds" in t:
+        return f"seeds {', '.join(map(str, t['seeds']))} (each rate: the mean over them)"
+    return f"seed {t['seed']}"
+
+
 def _grid_table(t: dict[str, Any], with_loss: bool) -> list[str]:
     """The tuning grid: each arm's validation accuracy per learning rate (and its mean answer-token loss), the
     chosen rate in bold."""
@@ -58,6 +65,8 @@ def _grid_table(t: dict[str, Any], with_loss: bool) -> list[str]:
             txt = "" if r is None else f"{_pct(r['accuracy'])}%"
             if r is not None and with_loss:
                 txt += f" ({r['mean_token_nll']:.3f})"
+                if r.get("per_seed"):  # several tuning seeds: each one's accuracy
+                    txt += " [" + " / ".join(_pct(s["accuracy"]) for s in r["per_seed"]) + "]"
             cells.append(f"**{txt}**" if r is not None and lr == a["chosen_lr"] else txt)
         rows.append([arm, *cells, f"{a['chosen_lr']:g}"])
     return _table(["arm", *[f"lr {x:g}" for x in lrs], "chosen"], rows)
@@ -100,7 +109,7 @@ def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
         study.get("description") or "",
         "",
         f"Reproduce: `retrofit study {study['config']}` (the same command resumes). Tuning on {t['n_rows']} "
-        f"validation rows with seed {t['seed']}; testing on {te['n_rows']} test rows with seeds "
+        f"validation rows with {_tuning_seeds(t)}; testing on {te['n_rows']} test rows with seeds "
         f"{', '.join(map(str, te['seeds']))}. Every figure is in study.json.",
         "",
     ]
@@ -240,7 +249,8 @@ def readme_markdown(study: dict[str, Any], config: str, folder: str) -> str:
     folder, relative to the README (the command to reproduce it; its study.md and plot are linked)."""
     t, te = study["tuning"], study["testing"]
     env = study["environment"]
-    n_trials = sum(len(a["trials"]) for a in t["arms"].values()) + len(te["arms"]) * len(te["seeds"])
+    n_tune = len(t["seeds"]) if "seeds" in t else 1
+    n_trials = n_tune * sum(len(a["trials"]) for a in t["arms"].values()) + len(te["arms"]) * len(te["seeds"])
     cpus, threads = env.get("cpus") or [], env.get("threads_per_trial")
 
     def words(v) -> str:
@@ -249,7 +259,7 @@ def readme_markdown(study: dict[str, Any], config: str, folder: str) -> str:
     out = [
         f"`retrofit study {config} --out {folder}` ([{folder}/study.md]({folder}/study.md): "
         f"every figure, per seed and per frontier point; its `study.json`). {n_trials} trials: tuning on "
-        f"{t['n_rows']} validation rows with seed {t['seed']}, testing on the {te['n_rows']} test rows with seeds "
+        f"{t['n_rows']} validation rows with {_tuning_seeds(t)}, testing on the {te['n_rows']} test rows with seeds "
         f"{', '.join(map(str, te['seeds']))}; {words(threads)} threads per trial, torch {words(env.get('torch'))}, "
         f"on {words(cpus)}.",
         "",

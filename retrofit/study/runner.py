@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 def tuning_trials(cfg: StudyConfig) -> list[Trial]:
-    """Every arm at every learning rate of its grid, on the tuning seed (validation rows)."""
-    return [Trial("tune", a.name, lr, cfg.tuning_seed) for a in cfg.arms for lr in a.learning_rates]
+    """Every arm at every learning rate of its grid, on each tuning seed (validation rows)."""
+    return [Trial("tune", a.name, lr, s) for s in cfg.tuning_seeds for a in cfg.arms for lr in a.learning_rates]
 
 
 def test_trials(cfg: StudyConfig, choices: dict[str, dict]) -> list[Trial]:
@@ -246,7 +246,7 @@ def write_study(cfg: StudyConfig, out: Path, choices: dict, results: dict[Trial,
             for a in cfg.arms
         },
         "tuning": {
-            "seed": cfg.tuning_seed,
+            **({"seed": cfg.tuning_seed} if len(cfg.tuning_seeds) == 1 else {"seeds": list(cfg.tuning_seeds)}),
             "rows": tune_rows["split"],
             "n_rows": tune_rows["n"],
             "rule": A.CHOICE_RULE,

@@ -26,7 +26,7 @@ def _s(x) -> str:
 def _cfg(*arms):
     return types.SimpleNamespace(
         test_seeds=SEEDS,
-        tuning_seed=0,
+        tuning_seeds=(0,),
         arms=[types.SimpleNamespace(name=n, kind=k, learning_rates=(1e-3, 2e-3, 3e-3)) for n, k in arms],
     )
 
@@ -288,3 +288,31 @@ def test_the_choice_and_its_tie_breaks(trials, chosen):
     }
     got = A.choose(cfg, results)["sft"]
     assert got["chosen_lr"] == chosen and [t["lr"] for t in got["trials"]] == [1e-3, 2e-3, 3e-3]
+
+
+def test_several_tuning_seeds_choose_by_the_mean_over_them():
+    """With tuning seeds 0 and 7 each rate's accuracy and loss are the means over the seeds (brute force), and the
+    choice follows the mean, not one seed: 1e-3 wins seed 0 alone, 2e-3 the mean."""
+    cfg = _cfg(("sft", "sft"))
+    cfg.tuning_seeds = (0, 7)
+    acc = {(1e-3, 0): 0.9, (1e-3, 7): 0.1, (2e-3, 0): 0.6, (2e-3, 7): 0.6, (3e-3, 0): 0.2, (3e-3, 7): 0.5}
+    nll = {k: 1.0 + v for k, v in acc.items()}
+    results = {
+        Trial("tune", "sft", lr, s): {
+            "accuracy": a,
+            "mean_token_nll": nll[(lr, s)],
+            "trial": {"id": f"tune-sft-lr{lr:g}-s{s}"},
+            "rows": {"n": 10},
+        }
+        for (lr, s), a in acc.items()
+    }
+    got = A.choose(cfg, results)["sft"]
+    assert got["chosen_lr"] == 2e-3
+    for row in got["trials"]:
+        lr = row["lr"]
+        assert row["accuracy"] == pytest.approx((acc[(lr, 0)] + acc[(lr, 7)]) / 2)
+        assert row["mean_token_nll"] == pytest.approx((nll[(lr, 0)] + nll[(lr, 7)]) / 2)
+        assert [(p["seed"], p["accuracy"]) for p in row["per_seed"]] == [(0, acc[(lr, 0)]), (7, acc[(lr, 7)])]
+    cfg.tuning_seeds = (0,)  # one seed: its own figures, and no per-seed list (study.json as before)
+    one = A.choose(cfg, {t: r for t, r in results.items() if t.seed == 0})["sft"]
+    assert one["chosen_lr"] == 1e-3 and all("per_seed" not in row for row in one["trials"])

@@ -38,6 +38,10 @@ def _load(tmp_path, study):
         ),
         (("threads: 1", "threads: 1\nbudget: {{max_steps: 3}}\n"), None),
         (("seeds: [1, 2]", "seeds: [1, 1]"), r"testing.seeds must be distinct"),
+        (("{{seed: 0,", "{{seed: 0, seeds: [0, 5],"), r"tuning: give seed \(one tuning seed\) or seeds"),
+        (("{{seed: 0,", "{{seeds: [0, 0],"), r"tuning.seeds must be distinct"),
+        (("{{seed: 0,", "{{seeds: 4,"), r"tuning.seeds must be a non-empty list of integers"),
+        (("{{seed: 0,", "{{seeds: [0, 5],"), None),
         (("seeds: [1, 2]", "seeds: []"), r"testing.seeds must be a non-empty list"),
         (
             ("learning_rates: [1.0e-3, 3.0e-3]", "learning_rates: [1.0e-3, -3.0e-3]"),
@@ -82,6 +86,11 @@ def test_few_seeds_and_learning_rates_warn_and_three_do_not(tmp_path):
     assert _load(tmp_path / "b", full).warnings == ()
     overlap = full.replace("seeds: [1, 2, 3]", "seeds: [0, 1, 2]")
     assert "also a test seed" in _load(tmp_path / "c", overlap).warnings[0]
+    several = full.replace("{{seed: 0,", "{{seeds: [2, 7],")
+    cfg = _load(tmp_path / "d", several)
+    assert cfg.tuning_seeds == (2, 7) and cfg.warnings == (
+        "tuning seed 2 is also a test seed: that test run was part of the choice",
+    )
 
 
 def test_the_command_reports_a_bad_config_on_one_line(tmp_path, capsys):

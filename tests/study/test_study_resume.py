@@ -370,3 +370,31 @@ def test_a_part_run_first_is_resumed_into_the_whole_study(reference, tmp_path):
         shutil.copytree(out / "trials" / trial, tmp_path / "out" / "trials" / trial)
     R.run_study(cfg, tmp_path / "out", progress=False, runner=Counting(fail_at=1))
     assert (tmp_path / "out" / "study.json").read_text() == text
+
+
+def test_a_second_tuning_seed_runs_only_its_trials_and_chooses_by_the_mean(reference, tmp_path):
+    """The reference study's trials plus a second tuning seed: the study runs the new seed's tuning trials (and a
+    test trial only where the choice moved), and each arm's choice is the rate with the best mean validation
+    accuracy over the two seeds' result JSONs (brute force; ties as the rule: lower mean loss, smaller rate)."""
+    out, _, _ = reference
+    cfg = write_study(tmp_path / "cfg", study=STUDY.replace("{{seed: 0,", "{{seeds: [0, 5],"))
+    shutil.copytree(out / "trials", tmp_path / "out" / "trials")
+    counting = Counting()
+    study = R.run_study(cfg, tmp_path / "out", progress=False, runner=counting, arms=["sft"], seeds=[1])
+    res = _results(tmp_path / "out")
+    assert {k for k in res if k.endswith("-s5")} == {"tune-sft-lr0.001-s5", "tune-sft-lr0.003-s5"}
+    t = study["tuning"]
+    assert t["seeds"] == [0, 5] and "seed" not in t
+    mean = {
+        lr: (
+            np.mean([res[f"tune-sft-lr{lr:.3g}-s{s}"]["accuracy"] for s in (0, 5)]),
+            np.mean([res[f"tune-sft-lr{lr:.3g}-s{s}"]["mean_token_nll"] for s in (0, 5)]),
+        )
+        for lr in (1e-3, 3e-3)
+    }
+    best = min(mean, key=lambda lr: (-mean[lr][0], mean[lr][1], lr))
+    assert t["arms"]["sft"]["chosen_lr"] == best and study["testing"]["arms"]["sft"]["lr"] == best
+    moved = best != reference[2]["tuning"]["arms"]["sft"]["chosen_lr"]
+    assert counting.calls == 2 + moved  # the seed-0 trials and the test trial at an unchanged rate were reused
+    md = (tmp_path / "out" / "study.md").read_text()
+    assert "seeds 0, 5 (each rate: the mean over them)" in md
