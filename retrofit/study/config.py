@@ -6,7 +6,7 @@
     preset: ../configs/tah2_llama.yaml          # the recipe preset every arm starts from (relative to this file)
     set: {n_valid: 60}                          # recipe flags for every arm (the recipes' own flag names)
     budget: {max_steps: 240, per_device_train_batch_size: 8}   # the training budget: every arm, no override
-    threads: 2                                  # torch threads per trial (the numbers depend on it)
+    threads: 2                                  # torch threads per trial (in the trial key: it may change the numbers)
     keep_models: false                          # delete each trial's weights once its result JSON is written
     tuning: {seed: 0, learning_rates: [2.5e-4, 5.0e-4, 1.0e-3], eval: {...}}   # or seeds: [0, 6]: the mean
     testing: {seeds: [1, 2, 3], eval: {...}}
