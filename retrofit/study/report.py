@@ -99,6 +99,31 @@ def _test_table(te: dict[str, Any], readme: bool) -> list[str]:
     return _table([*head, "MFLOPs / answer token"], rows)
 
 
+SPLITS = ("train", "held_out")
+
+
+def _split_table(te: dict[str, Any]) -> list[str]:
+    """Each arm's test accuracy on the training levels (mean over seeds) and on the held-out levels (per seed, and
+    the mean): where the levels the training never saw decide a ranking, this shows it. Empty when the task has no
+    held-out level."""
+    arms = te["arms"]
+    if not arms or not all(
+        (p.get("splits") or {}).get(k, {}).get("n") for a in arms.values() for p in a["per_seed"] for k in SPLITS
+    ):
+        return []
+    rows = []
+    for arm, a in arms.items():
+        train = [p["splits"]["train"]["accuracy"] for p in a["per_seed"]]
+        held = [p["splits"]["held_out"]["accuracy"] for p in a["per_seed"]]
+        rows.append([arm, f"{a['lr']:g}", _pct(float(np.mean(train))), *[_pct(x) for x in held], _pct(np.mean(held))])
+    seeds = [f"seed {p['seed']}" for p in next(iter(arms.values()))["per_seed"]]
+    return [
+        "Training levels (mean over seeds) and held-out levels (per seed, and the mean), accuracy in points:",
+        "",
+        *_table(["arm", "lr", "training levels", *[f"held out, {s}" for s in seeds], "held out (mean)"], rows),
+    ]
+
+
 def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
     """The tables of a study: the grid and each arm's choice, per-seed and across-seed effects with intervals and
     the claims met or not, the frontier across seeds, the environment and the times."""
@@ -125,6 +150,7 @@ def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
     out += _grid_table(t, with_loss=True)
     out += ["## Testing: each arm at its chosen rate", ""]
     out += _test_table(te, readme=False)
+    out += _split_table(te)
 
     b = study["bootstrap"]
     out += [

@@ -316,3 +316,35 @@ def test_several_tuning_seeds_choose_by_the_mean_over_them():
     cfg.tuning_seeds = (0,)  # one seed: its own figures, and no per-seed list (study.json as before)
     one = A.choose(cfg, {t: r for t, r in results.items() if t.seed == 0})["sft"]
     assert one["chosen_lr"] == 1e-3 and all("per_seed" not in row for row in one["trials"])
+
+
+def test_study_md_splits_training_and_held_out_levels():
+    """study.md's split table: each arm's training-level accuracy averaged over seeds and its held-out accuracy per
+    seed, against the per-seed figures; no table when a seed has no held-out rows."""
+    from retrofit.study.report import _split_table
+
+    rng = np.random.default_rng(0)
+    te = {"arms": {}}
+    for arm, lr in (("sft", 1e-3), ("tah2", 2e-3)):
+        per = []
+        for s in SEEDS:
+            tr, ho = rng.integers(0, 301) / 300, rng.integers(0, 101) / 100
+            per.append(
+                {"seed": s, "splits": {"train": {"accuracy": tr, "n": 300}, "held_out": {"accuracy": ho, "n": 100}}}
+            )
+        te["arms"][arm] = {"lr": lr, "per_seed": per}
+    lines = _split_table(te)
+    rows = {
+        ln.split(" | ")[0].strip("| "): ln.strip("| ").split(" | ")
+        for ln in lines
+        if ln.startswith("| sft") or ln.startswith("| tah2")
+    }
+    assert set(rows) == {"sft", "tah2"}
+    for arm, a in te["arms"].items():
+        got = [float(x) for x in rows[arm][2:]]
+        train = np.mean([p["splits"]["train"]["accuracy"] for p in a["per_seed"]]) * 100
+        held = [p["splits"]["held_out"]["accuracy"] * 100 for p in a["per_seed"]]
+        assert got == pytest.approx([train, *held, np.mean(held)], abs=0.051)
+        assert rows[arm][1] == f"{a['lr']:g}"
+    te["arms"]["tah2"]["per_seed"][1]["splits"]["held_out"]["n"] = 0
+    assert _split_table(te) == []
