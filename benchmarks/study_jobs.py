@@ -20,22 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _variant(config: Path, threads: int, steps: int, where: Path) -> Path:
@@ -54,15 +43,9 @@ def _variant(config: Path, threads: int, steps: int, where: Path) -> Path:
     return path
 
 
-class _Bar:  # Study.run reports progress through a tqdm-like object
-    def update(self, n=1):
-        pass
-
-    def set_postfix_str(self, s):
-        pass
-
-
 def run_mode(config: Path, arm: str, lr: float, seeds: list[int], threads: int, jobs: int, steps: int, tmp: Path):
+    from tqdm.auto import tqdm
+
     from retrofit.study.config import load_study
     from retrofit.study.runner import Study
     from retrofit.study.trial import Trial, check_arms
@@ -73,7 +56,7 @@ def run_mode(config: Path, arm: str, lr: float, seeds: list[int], threads: int, 
     trials = [Trial("tune", arm, lr, s) for s in seeds]
     study = Study(cfg, tmp / f"t{threads}-j{jobs}", progress=False)
     t0 = time.perf_counter()
-    results = study.run(trials, jobs, _Bar())
+    results = study.run(trials, jobs, tqdm(disable=True))
     wall = time.perf_counter() - t0
     return {
         "threads": threads,
@@ -106,13 +89,15 @@ def main(argv=None) -> dict:
         p.error("--steps must be >= 1 and --cores >= 2")
     import torch
 
+    from retrofit.study.env import cpu_model
+
     with tempfile.TemporaryDirectory(prefix="study_jobs-") as d:
         tmp = Path(d)
         config = Path(a.config).resolve()
         seq = run_mode(config, a.arm, a.lr, seeds, a.cores, 1, a.steps, tmp)
         par = run_mode(config, a.arm, a.lr, seeds, 1, a.cores, a.steps, tmp)
     out = {
-        "cpu": _cpu(),
+        "cpu": cpu_model(),
         "torch": torch.__version__,
         "config": a.config,
         "arm": a.arm,

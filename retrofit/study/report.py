@@ -72,6 +72,11 @@ def _grid_table(t: dict[str, Any], with_loss: bool) -> list[str]:
     return _table(["arm", *[f"lr {x:g}" for x in lrs], "chosen"], rows)
 
 
+def _seed_heads(te: dict[str, Any]) -> list[str]:
+    """``seed 1``, ``seed 2``, … for the test seeds (every arm has the same)."""
+    return [f"seed {p['seed']}" for p in next(iter(te["arms"].values()))["per_seed"]] if te["arms"] else []
+
+
 def _test_table(te: dict[str, Any], readme: bool) -> list[str]:
     """Each arm's test accuracy per seed, its mean, d̄, its mean at depth 1 and FLOPs per answer token (study.md: in
     points with the rate in a column; README: in % with the rate beside the arm)."""
@@ -91,7 +96,7 @@ def _test_table(te: dict[str, Any], readme: bool) -> list[str]:
                 f"{flops:.0f}" if readme else f"{flops:.1f}",
             ]
         )
-    seeds = [f"seed {p['seed']}" for p in next(iter(te["arms"].values()))["per_seed"]] if te["arms"] else []
+    seeds = _seed_heads(te)
     if readme:
         head = ["arm (its rate)", *seeds, "mean", "d̄", "at depth 1"]
     else:
@@ -116,7 +121,7 @@ def _split_table(te: dict[str, Any]) -> list[str]:
         train = [p["splits"]["train"]["accuracy"] for p in a["per_seed"]]
         held = [p["splits"]["held_out"]["accuracy"] for p in a["per_seed"]]
         rows.append([arm, f"{a['lr']:g}", _pct(float(np.mean(train))), *[_pct(x) for x in held], _pct(np.mean(held))])
-    seeds = [f"seed {p['seed']}" for p in next(iter(arms.values()))["per_seed"]]
+    seeds = _seed_heads(te)
     return [
         "Training levels (mean over seeds) and held-out levels (per seed, and the mean), accuracy in points:",
         "",
