@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from retrofit.study.report import README_BEGIN, README_END, readme_markdown
+from retrofit.study.report import README_BEGIN, README_END, _ci, _pts, readme_markdown
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,9 +27,8 @@ def test_readme_tables_are_the_committed_default_study():
 
 
 def _figure(across: dict) -> str:
-    """An across-seed effect as README's prose writes it: ``+2.6 [−2.8, +8.6]`` (points, Unicode minus)."""
-    e, (lo, hi) = across["estimate"], across["ci"]
-    return f"{100 * e:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]".replace("-", "−")
+    """An across-seed effect as README's prose writes it: study.md's ``+2.6 [-2.8, +8.6]`` with Unicode minus."""
+    return f"{_pts(across['estimate'])} {_ci(across['ci'])}".replace("-", "−")
 
 
 def test_readme_one_cpu_paragraph_is_the_committed_core_study():
@@ -42,7 +41,8 @@ def test_readme_one_cpu_paragraph_is_the_committed_core_study():
     cpus = {p["env"]["cpu"] for p in _trials(study)}
     assert cpus == {"AMD EPYC"}, f"every test trial of the core study runs on one CPU, got {cpus}"
     for arm in ("sft", "fixed", "tah2"):
-        mean = sum(p["accuracy"] for p in study["testing"]["arms"][arm]["per_seed"]) / 8
+        per_seed = study["testing"]["arms"][arm]["per_seed"]
+        mean = sum(p["accuracy"] for p in per_seed) / len(per_seed)
         assert f"{100 * mean:.1f}%" in para, (arm, mean)
     quoted = {
         ("vs_tuned_sft", "fixed"),
