@@ -16,6 +16,7 @@
       tah2: {kind: looped}                      # the preset's own method
       anira_e: {kind: looped, preset: ../configs/anira_llama.yaml, enabled: false}
 
+A file may start from another with ``extends: main.yaml`` and say only what changes (``load_study``).
 An arm may also carry ``set`` (its own recipe flags), ``learning_rates`` (its own grid, of the common size) and
 ``description``. ``eval`` maps ``EvalOptions`` fields; the phases' defaults are ``TUNE_EVAL`` / ``TEST_EVAL``.
 Errors name the key and what is allowed; fewer than 3 learning rates or test seeds only warn (``warnings``, shown
@@ -80,7 +81,20 @@ TEST_EVAL = dict(
 MIN_LEARNING_RATES = 3
 MIN_SEEDS = 3
 
-_TOP = ("name", "description", "preset", "set", "budget", "threads", "keep_models", "tuning", "testing", "arms", "out")
+_TOP = (
+    "name",
+    "description",
+    "preset",
+    "set",
+    "budget",
+    "threads",
+    "keep_models",
+    "tuning",
+    "testing",
+    "arms",
+    "out",
+    "extends",
+)
 _ARM = ("kind", "preset", "set", "learning_rates", "enabled", "description")
 
 
@@ -207,16 +221,74 @@ def _few_seeds(n: int) -> str:
     return f"{n} test seed(s) (< {MIN_SEEDS}): the across-seed intervals are not a result"
 
 
-def load_study(path: str | Path) -> StudyConfig:
-    """Read and check a study file (module docstring); raises ``RetrofitUserError`` naming the first problem."""
+def _merge(base: dict, over: dict) -> dict:
+    """``over`` on ``base``: mappings merge key by key (recursively), anything else replaces, and a key set to null
+    removes the base's (an arm, ``tuning.seed`` before ``tuning.seeds``) — except in a ``set``, where null is the
+    flag's value (``decider_top_k: null``) and replaces the base's like any other value."""
+    out = dict(base)
+    for k, v in over.items():
+        if k == "set" and isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = {**out[k], **v}
+        elif v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _absolute(raw: dict, here: Path) -> dict:
+    """``raw`` with its file-relative paths (``preset``, each arm's ``preset``, ``out``) made absolute, so that a
+    file extending it from another folder reads them as their own file meant them."""
+    raw = dict(raw)
+    for k in ("preset", "out"):
+        if isinstance(raw.get(k), str):
+            raw[k] = str((here / raw[k]).resolve())
+    if isinstance(raw.get("arms"), dict):
+        arms = {}
+        for name, spec in raw["arms"].items():
+            if isinstance(spec, dict) and isinstance(spec.get("preset"), str):
+                spec = {**spec, "preset": str((here / spec["preset"]).resolve())}
+            arms[name] = spec
+        raw["arms"] = arms
+    return raw
+
+
+def _read(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    """A study file as a mapping, its ``extends`` (another study file, relative to it) merged under it (``_merge``).
+    What the base file says is checked as part of the result, so an extending file is checked whole."""
     import yaml
 
-    path = Path(path).resolve()
+    if path in chain:
+        raise RetrofitUserError(f"extends: {' -> '.join(p.name for p in (*chain, path))} is a cycle")
     if not path.is_file():
-        raise RetrofitUserError(f"study config {path} does not exist")
-    raw = yaml.safe_load(path.read_text())
-    raw = _mapping(raw, str(path))
+        where = f" (extends of {chain[-1]})" if chain else ""
+        raise RetrofitUserError(f"study config {path} does not exist{where}")
+    raw = _mapping(yaml.safe_load(path.read_text()), str(path))
     _keys(raw, _TOP, str(path))
+    raw = _absolute(raw, path.parent)
+    base = raw.pop("extends", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise RetrofitUserError(f"{path}: extends must be the path of another study file, got {base!r}")
+    inherited = _read((path.parent / base).resolve(), (*chain, path))
+    inherited.pop("name", None)  # a study's name is its own: the file's stem unless it says one
+    return _merge(inherited, raw)
+
+
+def load_study(path: str | Path) -> StudyConfig:
+    """Read and check a study file (module docstring); raises ``RetrofitUserError`` naming the first problem.
+
+    ``extends: main.yaml`` starts from another study file (relative to this one) and changes it: mappings merge key
+    by key (an arm named again merges into the base's arm), lists and values replace, and null removes the base's key
+    (``ouro: null`` drops that arm; ``seed: null`` before ``seeds:``). Paths stay relative to the file that wrote
+    them. The result is checked as one file; a trial's key depends only on what resolves, so a study written as an
+    extension of another keeps the trials it had as a copy.
+    """
+    path = Path(path).resolve()
+    raw = _read(path)
     here = path.parent
     warnings: list[str] = []
 

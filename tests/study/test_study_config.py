@@ -136,3 +136,64 @@ def test_a_part_of_the_study_keeps_its_trials_and_says_what_it_leaves_out(tmp_pa
     assert len(lines) == 4 and all("sft" in line or "after tuning" in line for line in lines)
     with pytest.raises(SystemExit):
         main(["study", str(path), "--dry-run", "--seeds", "one"])
+
+
+def test_a_study_that_extends_another_is_the_copy_it_replaces(tmp_path):
+    """``extends`` (``config._read``): a file written as changes to another resolves to the study it would be as a
+    full copy — the same arms, flags, grid, seeds, evaluation and trial keys — with mappings merged key by key,
+    null removing a key (an arm; ``seed`` before ``seeds``) but not inside ``set``, where null is a flag's value,
+    paths relative to the file that wrote them, and cycles or a missing base refused."""
+    from retrofit.study.trial import Trial, trial_key
+
+    full = STUDY.replace("[1.0e-3, 3.0e-3]", "[1.0e-3, 2.0e-3, 3.0e-3]").replace("seeds: [1, 2]", "seeds: [1, 2, 3]")
+    write_study(tmp_path / "base", study=full)
+    copy = full.replace("name: tiny", "name: child").replace("{{seed: 0,", "{{seeds: [0, 6],")
+    copy = copy.replace("  tah2: {{kind: looped}}\n", "  tah2: {{kind: looped, set: {{decider_top_k: null}}}}\n")
+    copy = copy.replace("  fixed: {{kind: fixed}}\n", "")
+    want = _load(tmp_path / "copy", copy)
+    (tmp_path / "sub").mkdir()
+    child = tmp_path / "sub" / "child.yaml"
+    child.write_text(
+        "extends: ../base/tiny.yaml\n"
+        "tuning: {seed: null, seeds: [0, 6]}\n"
+        "arms:\n  fixed: null\n  tah2: {set: {decider_top_k: null}}\n"
+    )
+    got = load_study(child)
+    check_arms(got)
+    assert got.name == "child"  # its own stem: a name is not inherited
+    assert [a.name for a in got.arms] == ["sft", "tah2"]
+    assert dict(got.arm("tah2").flags)["decider_top_k"] is None
+    assert got.arm("sft").preset == (tmp_path / "base" / "tiny_preset.yaml").resolve()  # the copy has its own
+    for field in ("tuning_seeds", "test_seeds", "tune_eval", "test_eval", "threads", "keep_models", "warnings"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert [(a.kind, a.flags, a.learning_rates) for a in got.arms] == [
+        (a.kind, a.flags, a.learning_rates) for a in want.arms
+    ]
+    for t in (Trial("tune", "tah2", 2e-3, 6), Trial("test", "sft", 1e-3, 3)):
+        assert trial_key(got, t) == trial_key(want, t)
+
+    child.write_text("extends: ../base/tiny.yaml\ntuning: {seeds: [0, 6]}\n")
+    with pytest.raises(RetrofitUserError, match=r"tuning: give seed \(one tuning seed\) or seeds"):
+        load_study(child)
+    child.write_text("extends: nowhere.yaml\n")
+    with pytest.raises(RetrofitUserError, match=r"nowhere.yaml does not exist \(extends of .*child.yaml\)"):
+        load_study(child)
+    child.write_text("extends: child.yaml\n")
+    with pytest.raises(RetrofitUserError, match=r"extends: child.yaml -> child.yaml is a cycle"):
+        load_study(child)
+    child.write_text("extends: [../base/tiny.yaml]\n")
+    with pytest.raises(RetrofitUserError, match=r"extends must be the path of another study file"):
+        load_study(child)
+
+
+def test_the_committed_studies_that_extend_main_resolve_to_its_arms():
+    """The committed studies written as changes to main.yaml keep its settings: main_tuned_twice is main tuned with
+    seeds 0 and 6; core_eight_seeds is that with sft, fixed and tah2 only and eight test seeds."""
+    from pathlib import Path
+
+    studies = Path(__file__).resolve().parents[2] / "recipes" / "studies"
+    main, twice, core = (load_study(studies / f"{n}.yaml") for n in ("main", "main_tuned_twice", "core_eight_seeds"))
+    assert (twice.name, twice.tuning_seeds, twice.test_seeds) == ("main_tuned_twice", (0, 6), main.test_seeds)
+    assert twice.arms == main.arms and twice.test_eval == main.test_eval and twice.description == main.description
+    assert [a.name for a in core.arms] == ["sft", "fixed", "tah2"] and core.tuning_seeds == (0, 6)
+    assert core.arms == main.arms[:3] and core.test_seeds == (1, 2, 3, 4, 5, 7, 8, 9)
