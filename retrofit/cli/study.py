@@ -59,7 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Also write the study's tables (grid, test accuracy per seed, effects and claims, the plot) into FILE "
         "between the lines <!-- study:begin --> and <!-- study:end --> (README.md keeps the default study's there).",
     )
-    p.add_argument("--quiet", action="store_true", help="No progress bars.")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="No progress bars, and no library output from the trials (dataset maps, the trainer's log lines); "
+        "warnings still show. --jobs workers always run this way.",
+    )
 
 
 def _comma_list(cast, what: str):

@@ -219,14 +219,19 @@ def _run_and_close(spec: RecipeSpec) -> int:
     return rc
 
 
+def quiet_cpu_env() -> None:
+    """Environment defaults for training on a machine without CUDA: DeepSpeed (imported by the trainer) would warn
+    once per process that it fell back to the CPU, and tokenizers that it forks after use; a user setting either
+    keeps theirs."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def recipe_main(spec: RecipeSpec) -> None:
     """``if __name__ == "__main__": recipe_main(SPEC)``: bad input ends in one ``error:`` line, exit code 2
     (``retrofit.model.errors.run_cli``)."""
     from ..model.errors import run_cli
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-
-    if not torch.cuda.is_available():  # DeepSpeed (imported by the trainer) would warn that it fell back to the CPU
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    quiet_cpu_env()
     sys.exit(run_cli(_run_and_close, spec))

@@ -16,11 +16,13 @@ the same trial on the same machine (the times go to ``timings``, which study.jso
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -174,8 +176,47 @@ def base_model(spec: str, dtype):
     return copy.deepcopy(base), copy.deepcopy(tok)
 
 
+@contextlib.contextmanager
+def quiet_libraries(quiet: bool):
+    """A trial without its libraries' chatter when the study runs quietly (``--quiet``, or a ``--jobs`` worker whose
+    output would interleave with the other's): no progress bars from datasets' maps, the trainer's data preparation
+    or the saves, and the trainer's printed log lines (the losses are in the result's ``train.loss``) to
+    ``/dev/null``. Warnings and errors still reach stderr; the libraries' bars are on again afterwards."""
+    if not quiet:
+        yield
+        return
+    import datasets
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    was = (
+        datasets.is_progress_bar_enabled(),
+        hf_logging.is_progress_bar_enabled(),
+        hub_utils.are_progress_bars_disabled(),
+    )
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    hub_utils.disable_progress_bars()
+    try:
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            yield
+    finally:
+        if was[0]:
+            datasets.enable_progress_bars()
+        if was[1]:
+            hf_logging.enable_progress_bar()
+        if not was[2]:
+            hub_utils.enable_progress_bars()
+
+
 def run_trial(cfg: StudyConfig, trial: Trial, folder: Path, progress: bool = True) -> dict[str, Any]:
-    """Train and evaluate one trial in ``folder`` and write ``folder/result.json`` (module docstring)."""
+    """Train and evaluate one trial in ``folder`` and write ``folder/result.json`` (module docstring); with
+    ``progress`` off, quietly (``quiet_libraries``)."""
+    with quiet_libraries(not progress):
+        return _run_trial(cfg, trial, folder, progress)
+
+
+def _run_trial(cfg: StudyConfig, trial: Trial, folder: Path, progress: bool) -> dict[str, Any]:
     import torch
     from transformers import set_seed
 
@@ -186,9 +227,10 @@ def run_trial(cfg: StudyConfig, trial: Trial, folder: Path, progress: bool = Tru
     from ..recipe.controls import train_control
     from ..recipe.data import load_data, task_splits, use_chat
     from ..recipe.main_job import test_rows
-    from ..recipe.run import train_and_save
+    from ..recipe.run import quiet_cpu_env, train_and_save
     from ..training.model_setup import prepare_model
 
+    quiet_cpu_env()
     arm = cfg.arm(trial.arm)
     if folder.exists():
         shutil.rmtree(folder)  # an unfinished trial starts over

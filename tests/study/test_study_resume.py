@@ -295,6 +295,14 @@ def test_a_killed_process_resumes_with_two_jobs_to_the_same_study_json(reference
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "study.json").read_text() == text
+    # --quiet with workers: the claims on stdout, the config's warnings on stderr, and none of the libraries' chatter
+    # (progress bars, the trainer's printed logs, DeepSpeed's CPU fallback warning: trial.quiet_libraries)
+    claims = again.stdout.splitlines()
+    assert claims and all(line.startswith(("[met] ", "[NOT met] ")) for line in claims), again.stdout[-2000:]
+    assert again.stderr.splitlines() == [
+        "tiny.yaml: 2 learning rate(s) per arm (< 3): a smoke test, not a tuned study",
+        "tiny.yaml: 2 test seed(s) (< 3): the across-seed intervals are not a result",
+    ], again.stderr[-2000:]
 
 
 def test_finished_only_reports_the_whole_seeds_that_have_finished(reference, tmp_path):
