@@ -28,16 +28,18 @@ import yaml
 
 
 def _variant(config: Path, threads: int, steps: int, where: Path) -> Path:
-    """The study file with ``threads`` and ``budget.max_steps`` replaced; presets made absolute."""
-    raw = yaml.safe_load(config.read_text())
-    raw["threads"] = threads
-    raw.setdefault("budget", {})["max_steps"] = steps
-    raw.pop("out", None)
-    if "preset" in raw:
-        raw["preset"] = str((config.parent / raw["preset"]).resolve())
-    for arm in (raw.get("arms") or {}).values():
-        if isinstance(arm, dict) and "preset" in arm:
-            arm["preset"] = str((config.parent / arm["preset"]).resolve())
+    """The study file with ``threads`` and ``budget.max_steps`` replaced: a file that extends it (its own presets and
+    bases resolve from its folder) and drops its ``out``."""
+    from retrofit.study.config import load_study
+
+    name = load_study(config).name
+    raw = {
+        "extends": str(config.resolve()),
+        "name": name,
+        "threads": threads,
+        "budget": {"max_steps": steps},
+        "out": None,
+    }
     path = where / f"{config.stem}-t{threads}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
