@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,7 +240,10 @@ def _run_trial(cfg: StudyConfig, trial: Trial, folder: Path, progress: bool) -> 
     torch.use_deterministic_algorithms(True, warn_only=True)
     script, targs, largs = parse_trial_args(arm, trial.lr, trial.seed, folder, quiet=not progress)
     t0 = time.time()
-    base, tok = base_model(largs.model, getattr(torch, largs.dtype))
+    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sys.stderr if progress else sink):
+        # transformers' GGUF reader draws its own tqdm bar, deaf to the switches of quiet_libraries; its warnings
+        # go through logging handlers, which keep the real stderr
+        base, tok = base_model(largs.model, getattr(torch, largs.dtype))
     set_seed(targs.seed)  # the heads' init draws from the seeded global generator, after the (cached) load
     model = convert(base, largs.loop_config())
     splits = task_splits(script)
