@@ -21,7 +21,6 @@ back, also right after a trial ran, so a resumed and an uninterrupted study give
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
@@ -105,8 +104,8 @@ class Study:
 
 
 def _worker(config: str, trial: Trial, folder: str) -> None:
-    """One trial in a worker process of ``--jobs``: the study's config read again, the trial run quietly."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    """One trial in a worker process of ``--jobs``: the study's config read again, the trial run quietly (``run_trial``
+    sets the environment: ``recipe.run.quiet_cpu_env``)."""
     run_trial(load_study(config), trial, Path(folder), progress=False)
 
 
