@@ -43,12 +43,13 @@ CLAIMS = {
 }
 
 
-def choose(cfg: StudyConfig, results: dict[Trial, dict]) -> dict[str, dict[str, Any]]:
-    """Each arm's learning rate from its tuning trials (``CHOICE_RULE``). With several tuning seeds a rate's
-    accuracy and loss are the means over them, and its row lists each seed's accuracy and trial."""
+def choose(cfg: StudyConfig, results: dict[Trial, dict], arms=None) -> dict[str, dict[str, Any]]:
+    """Each arm's learning rate from its tuning trials (``CHOICE_RULE``; ``arms``: these of the config's, default
+    all). With several tuning seeds a rate's accuracy and loss are the means over them, and its row lists each
+    seed's accuracy and trial."""
     out = {}
     several = len(cfg.tuning_seeds) > 1
-    for arm in cfg.arms:
+    for arm in cfg.arms if arms is None else arms:
         rows = []
         for lr in arm.learning_rates:
             rs = [results[Trial("tune", arm.name, lr, s)] for s in cfg.tuning_seeds]

@@ -41,16 +41,18 @@ def tuning_trials(cfg: StudyConfig) -> list[Trial]:
 
 
 def test_trials(cfg: StudyConfig, choices: dict[str, dict]) -> list[Trial]:
-    """Every arm at its chosen learning rate, at every test seed (test rows), seed by seed: a study stopped early
-    holds whole seeds (every arm at seeds 1..k), which a config listing those seeds reads as a smaller study."""
+    """Every arm at its chosen learning rate, at every test seed (test rows), seed by seed (``order``)."""
     return [Trial("test", a.name, choices[a.name]["chosen_lr"], s) for s in cfg.test_seeds for a in cfg.arms]
 
 
 class Study:
     """A study's folder: where each trial lives, which are done, and running the rest."""
 
-    def __init__(self, cfg: StudyConfig, out: Path, progress: bool = True, runner=run_trial):
-        self.cfg, self.out, self.progress, self.runner = cfg, Path(out), progress, runner
+    def __init__(self, cfg: StudyConfig, out: Path, progress: bool = True, runner=run_trial, executor=None):
+        """``executor``: where ``--jobs`` > 1 runs its trials: by default a pool of spawned processes, each running
+        ``run_trial`` (``_worker``); a ``concurrent.futures`` executor class instead (tests: ``ThreadPoolExecutor``)
+        runs ``runner`` in it."""
+        self.cfg, self.out, self.progress, self.runner, self.executor = cfg, Path(out), progress, runner, executor
 
     def folder(self, t: Trial) -> Path:
         return self.out / "trials" / t.id
@@ -69,38 +71,91 @@ class Study:
             )
         return r
 
-    def run(self, trials: list[Trial], jobs: int, bar) -> dict[Trial, dict]:
-        """Run the trials that are not done (``jobs`` at a time, each its own process when > 1); return every
-        trial's result as read back from its JSON."""
-        todo = [t for t in trials if self.result(t) is None]
-        bar.update(len(trials) - len(todo))
-        if jobs <= 1:
-            for t in todo:
-                bar.set_postfix_str(t.id)
-                self.runner(self.cfg, t, self.folder(t), progress=self.progress)
-                bar.update(1)
-        elif todo:
-            pool = ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
-            try:
-                running = {pool.submit(_worker, str(self.cfg.path), t, str(self.folder(t))): t for t in todo}
-                while running:
-                    done, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for f in done:
-                        t = running.pop(f)
-                        f.result()  # a failed trial stops the study: the queued ones are cancelled
-                        bar.set_postfix_str(t.id)
-                        bar.update(1)
-            except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
-            pool.shutdown()
-        out = {}
-        for t in trials:
-            r = self.result(t)
+    def run(self, trials: list[Trial], jobs: int, bar, unlock=None) -> dict[Trial, dict]:
+        """Run the trials that are not done, ``jobs`` at a time (each its own process when > 1), the ready one
+        first in ``order``; return every trial's result as read back from its JSON.
+
+        ``unlock(trial, results)`` (optional) returns the trials that a finished one makes runnable: ``run_study``
+        queues an arm's test trials as soon as that arm's tuning is done, so with ``--jobs 2`` a worker that would
+        wait for another arm's last tuning trial starts a test trial instead."""
+        results: dict[Trial, dict] = {}
+        queue: list[Trial] = []
+
+        def add(new: list[Trial]) -> None:
+            for t in new:
+                r = self.result(t)
+                if r is None:
+                    queue.append(t)
+                else:
+                    finished(t, r)
+
+        def finished(t: Trial, r: dict | None) -> None:
             if r is None:
                 raise RuntimeError(f"trial {t.id} finished without {self.folder(t)}/result.json")
-            out[t] = r
-        return out
+            results[t] = r
+            bar.update(1)
+            if unlock is not None:
+                add(unlock(t, results))
+
+        def take() -> Trial:
+            t = min(queue, key=lambda t: order(self.cfg, t))
+            queue.remove(t)
+            return t
+
+        add(trials)
+        if jobs <= 1:
+            while queue:
+                t = take()
+                bar.set_postfix_str(t.id)
+                self.runner(self.cfg, t, self.folder(t), progress=self.progress)
+                finished(t, self.result(t))
+            return results
+        if self.executor is None:
+            pool = ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+            start = lambda t: pool.submit(_worker, str(self.cfg.path), t, str(self.folder(t)))  # noqa: E731
+        else:
+            pool = self.executor(max_workers=jobs)
+            start = lambda t: pool.submit(self.runner, self.cfg, t, self.folder(t), progress=False)  # noqa: E731
+        try:
+            running: dict = {}
+            while queue or running:
+                while queue and len(running) < jobs:
+                    t = take()
+                    running[start(t)] = t
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for f in done:
+                    t = running.pop(f)
+                    f.result()  # a failed trial stops the study (the other worker's trial is left to finish)
+                    bar.set_postfix_str(t.id)
+                    finished(t, self.result(t))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        return results
+
+
+def order(cfg: StudyConfig, t: Trial) -> tuple:
+    """Which ready trial runs first: the tuning trials (the config's order: seed, arm, rate), then the test trials
+    seed by seed, arm by arm, so that a study stopped early mostly holds whole seeds."""
+    arm = [a.name for a in cfg.arms].index(t.arm)
+    if t.phase == "tune":
+        return (0, cfg.tuning_seeds.index(t.seed), arm, cfg.arm(t.arm).learning_rates.index(t.lr))
+    return (1, cfg.test_seeds.index(t.seed), arm, 0)
+
+
+def arm_tests(cfg: StudyConfig, arm, results: dict[Trial, dict]) -> list[Trial] | None:
+    """The arm's test trials at its chosen rate (``analysis.choose``), or None while its tuning is not done."""
+    if any(Trial("tune", arm.name, lr, s) not in results for s in cfg.tuning_seeds for lr in arm.learning_rates):
+        return None
+    lr = A.choose(cfg, results, [arm])[arm.name]["chosen_lr"]
+    return [Trial("test", arm.name, lr, s) for s in cfg.test_seeds]
+
+
+def tests_of_tuned_arms(cfg: StudyConfig):
+    """``Study.run``'s ``unlock`` for a whole study: the tuning trial that completes its arm's tuning makes that
+    arm's test trials runnable."""
+    return lambda t, results: (arm_tests(cfg, cfg.arm(t.arm), results) or []) if t.phase == "tune" else []
 
 
 def _worker(config: str, trial: Trial, folder: str) -> None:
@@ -150,10 +205,8 @@ def run_study(
         raise RetrofitUserError(f"--jobs must be a positive integer, got {jobs!r}")
     n = sum(len(a.learning_rates) + len(cfg.test_seeds) for a in cfg.arms)
     with tqdm(total=n, desc=f"study {cfg.name}", unit="trial", disable=not progress, dynamic_ncols=True) as bar:
-        results = study.run(tuning_trials(cfg), jobs, bar)
-        choices = A.choose(cfg, results)
-        results.update(study.run(test_trials(cfg, choices), jobs, bar))
-    return write_study(cfg, study.out, choices, results)
+        results = study.run(tuning_trials(cfg), jobs, bar, tests_of_tuned_arms(cfg))
+    return write_study(cfg, study.out, A.choose(cfg, results), results)
 
 
 def report_finished(
@@ -209,10 +262,13 @@ def plan(
     cfg = study.cfg
     tuned = {t: study.result(t) for t in tuning_trials(cfg)}
     rows = [(t.id, "done" if r else "to run") for t, r in tuned.items()]
-    if all(tuned.values()):
-        rows += [(t.id, "done" if study.result(t) else "to run") for t in test_trials(cfg, A.choose(cfg, tuned))]
-    else:
-        rows += [(f"test-{a.name} x {len(cfg.test_seeds)} seeds", "after tuning") for a in cfg.arms]
+    done = {t: r for t, r in tuned.items() if r}
+    tests = {a.name: arm_tests(cfg, a, done) for a in cfg.arms}
+    ready = sorted((t for ts in tests.values() if ts for t in ts), key=lambda t: order(cfg, t))
+    rows += [(t.id, "done" if study.result(t) else "to run") for t in ready]
+    rows += [
+        (f"test-{arm} x {len(cfg.test_seeds)} seeds", "after its tuning") for arm, ts in tests.items() if ts is None
+    ]
     return rows
 
 

@@ -103,7 +103,7 @@ def test_the_command_reports_a_bad_config_on_one_line(tmp_path, capsys):
     good = write_study(tmp_path / "good")
     assert main(["study", str(good), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out.count("to run") == 6 and out.count("after tuning") == 3 and "tune-tah2-lr0.003-s0" in out
+    assert out.count("to run") == 6 and out.count("after its tuning") == 3 and "tune-tah2-lr0.003-s0" in out
 
 
 def test_a_part_of_the_study_keeps_its_trials_and_says_what_it_leaves_out(tmp_path, capsys):
@@ -133,7 +133,7 @@ def test_a_part_of_the_study_keeps_its_trials_and_says_what_it_leaves_out(tmp_pa
     path = tmp_path / "tiny.yaml"
     assert main(["study", str(path), "--out", str(tmp_path / "out"), "--dry-run", "--arms", "sft", "--seeds", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 4 and all("sft" in line or "after tuning" in line for line in lines)
+    assert len(lines) == 4 and all("sft" in line or "after its tuning" in line for line in lines)
     with pytest.raises(SystemExit):
         main(["study", str(path), "--dry-run", "--seeds", "one"])
 
