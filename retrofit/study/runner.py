@@ -137,11 +137,17 @@ class Study:
 
 def order(cfg: StudyConfig, t: Trial) -> tuple:
     """Which ready trial runs first: the tuning trials (the config's order: seed, arm, rate), then the test trials
-    seed by seed, arm by arm, so that a study stopped early mostly holds whole seeds."""
-    arm = [a.name for a in cfg.arms].index(t.arm)
+    seed by seed, arm by arm, so that a study stopped early mostly holds whole seeds. A seed or rate the config does
+    not list (``benchmarks/study_jobs.py`` runs other tuning seeds) sorts after those it lists, by value."""
+
+    def at(values, x):
+        values = list(values)
+        return (values.index(x), 0) if x in values else (len(values), x)
+
+    arm = at([a.name for a in cfg.arms], t.arm)
     if t.phase == "tune":
-        return (0, cfg.tuning_seeds.index(t.seed), arm, cfg.arm(t.arm).learning_rates.index(t.lr))
-    return (1, cfg.test_seeds.index(t.seed), arm, 0)
+        return (0, at(cfg.tuning_seeds, t.seed), arm, at(cfg.arm(t.arm).learning_rates, t.lr))
+    return (1, at(cfg.test_seeds, t.seed), arm, (0, 0))
 
 
 def arm_tests(cfg: StudyConfig, arm, results: dict[Trial, dict]) -> list[Trial] | None:

@@ -100,3 +100,12 @@ def test_dry_run_lists_the_tests_of_the_arms_whose_tuning_is_done(tmp_path):
         ("test-fixed-lr0.001-s2", "to run"),
         ("test-tah2 x 2 seeds", "after its tuning"),
     ]
+
+
+def test_trials_the_config_does_not_list_run_after_those_it_lists(tmp_path):
+    """``benchmarks/study_jobs.py`` runs tuning trials at seeds the config does not tune with."""
+    cfg = _load(tmp_path / "cfg", FULL)
+    trials = [Trial("tune", "tah2", 1e-3, 6), Trial("tune", "tah2", 1e-3, 0), Trial("tune", "tah2", 5e-3, 0)]
+    fake = Fake()
+    R.Study(cfg, tmp_path / "out", progress=False, runner=fake).run(trials, 1, tqdm(disable=True))
+    assert fake.starts() == ["tune-tah2-lr0.001-s0", "tune-tah2-lr0.005-s0", "tune-tah2-lr0.001-s6"]
