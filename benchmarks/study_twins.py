@@ -78,6 +78,7 @@ def compare(study: Path, twin_config: Path, twins: list[Path]) -> dict:
                     "trial": tid,
                     "twin": str(folder),
                     "cpu": [a["env"].get("cpu"), b["env"].get("cpu")],
+                    "cpu_id": [a["env"].get("cpu_id"), b["env"].get("cpu_id")],  # None: run before it was recorded
                     "threads": [a["env"].get("threads"), b["env"].get("threads")],
                     "accuracy": [a["accuracy"], b["accuracy"]],
                     "rows_differ": sum(x != y for x, y in zip(ca, cb)) if len(ca) == len(cb) else None,

@@ -16,6 +16,7 @@ def trial_env(threads: int) -> dict[str, Any]:
 
     return {
         "cpu": cpu_model(),
+        "cpu_id": cpu_id(),
         "torch": torch.__version__,
         "threads": threads,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
@@ -30,8 +31,10 @@ def environment(results: dict) -> dict[str, Any]:
     import transformers
 
     envs = [r.get("env") or {} for r in results.values()]
+    ids = sorted({e.get("cpu_id") for e in envs if e.get("cpu_id")})  # trials before 2026-12-06 have none
     return {
         "cpus": sorted({e.get("cpu") for e in envs if e.get("cpu")}),
+        **({"cpu_ids": ids} if ids else {}),
         "machine": platform.machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -56,6 +59,31 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def cpu_id(cpuinfo: str | None = None) -> str | None:
+    """Vendor, family, model and stepping, and the widest vector ISA (``"GenuineIntel family 6 model 207 stepping 2,
+    AVX-512"``): the cloud machines here all call themselves "Intel(R) Xeon(R) Processor" or "AMD EPYC", and two of
+    one name can train different models (docs/study.md, "Threads, `--jobs` and determinism"). ``cpuinfo``: the text
+    of /proc/cpuinfo (default: read it). None off Linux."""
+    try:
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+    except OSError:
+        return None
+    info: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    if "cpu family" not in info:
+        return None
+    flags = set(info.get("flags", "").split())
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return (
+        f"{info.get('vendor_id', '?')} family {info['cpu family']} model {info.get('model', '?')} "
+        f"stepping {info.get('stepping', '?')}, {isa}"
+    )
 
 
 def git_commit() -> str | None:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from retrofit.study import runner as R
+from retrofit.study.env import cpu_id
 from retrofit.study.trial import bits, run_trial
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_module")
@@ -147,6 +148,15 @@ def test_a_tiny_study_runs_and_writes_its_files(reference):
         assert len(g["per_seed"]) == 2 and g["flops_per_token"]["mean"] > 0
     env = study["environment"]
     assert env["cpus"] and env["torch"] and env["threads_per_trial"] == [1]
+    assert env.get("cpu_ids") == ([cpu_id()] if cpu_id() else None)
+
+
+def test_the_cpu_id_names_family_model_stepping_and_isa():
+    amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC\n"
+    amd += "stepping\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nvendor_id\t: Other\n"
+    assert cpu_id(amd) == "AuthenticAMD family 23 model 49 stepping 0, AVX2"
+    assert cpu_id(amd.replace("avx2", "avx2 avx512f avx512bw")).endswith(", AVX-512")
+    assert cpu_id("processor\t: 0\nmodel name\t: a phone\n") is None  # no family: nothing to say
 
 
 def test_tuning_and_testing_rows_are_disjoint_and_test_runs_use_the_chosen_rate(reference):
