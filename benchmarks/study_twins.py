@@ -7,8 +7,8 @@ the same settings) gives the trial. Per pair it reports both CPUs and thread cou
 how many rows differ in their outcome, the largest difference in the logged training losses and the mean answer
 loss, and whether the result is the same in every number the study reads (``identical``).
 
-    python benchmarks/study_twins.py docs/studies/core_threads1 recipes/studies/main.yaml \\
-        docs/studies/main docs/studies/core_eight_seeds docs/studies/main_tuned_twice --out twins.json
+    python benchmarks/study_twins.py docs/studies/core_threads1 recipes/studies/full.yaml \\
+        docs/studies/full docs/studies/core_eight_seeds docs/studies/main_tuned_twice --out twins.json
 
 Prints JSON (and writes it to ``--out``); a trial with twins in several folders is paired with each.
 """

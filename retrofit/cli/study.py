@@ -3,10 +3,10 @@ learning rate with several seeds, and report the effects per seed and across see
 
 ::
 
-    retrofit study recipes/studies/main.yaml --out docs/studies/main     # run, or resume after a kill
+    retrofit study recipes/studies/main.yaml --out docs/studies/main --jobs 2   # run, or resume after a kill
     retrofit study recipes/studies/main.yaml --dry-run                   # which trials are done, which would run
     retrofit study recipes/studies/main.yaml --finished-only             # the report of the finished trials only
-    retrofit study recipes/studies/main.yaml --arms sft,fixed,tah2 --seeds 1,2,3   # a part first; the rest later
+    retrofit study recipes/studies/full.yaml --arms sft,fixed,tah2 --seeds 1,2,3   # a part first; the rest later
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="Also write the study's tables (grid, test accuracy per seed, effects and claims, the plot) into FILE "
-        "between the lines <!-- study:begin --> and <!-- study:end --> (README.md keeps the default study's there).",
+        "between the lines <!-- study:NAME:begin --> and <!-- study:NAME:end --> (NAME: the study's name), or where "
+        "FILE has none for it, between <!-- study:begin --> and <!-- study:end --> (README.md keeps the default "
+        "study's there).",
     )
     p.add_argument(
         "--quiet",
@@ -112,5 +114,5 @@ def _write_readme(args: argparse.Namespace, study: dict) -> None:
     here = os.path.dirname(os.path.abspath(args.readme))
     out = args.out if args.out is not None else default_out(load_study(args.config))
     block = readme_markdown(study, os.path.relpath(args.config, here), os.path.relpath(out, here))
-    write_readme_block(args.readme, block)
+    write_readme_block(args.readme, block, study["name"])
     print(f"wrote the study's tables into {args.readme}")

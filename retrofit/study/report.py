@@ -269,8 +269,14 @@ def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-#: the markers around the block ``write_readme_block`` writes into a README (``retrofit study --readme``)
+#: the markers around the block ``write_readme_block`` writes into a README (``retrofit study --readme``): the
+#: README's default study; another study may have its own pair (``readme_markers``)
 README_BEGIN, README_END = "<!-- study:begin -->", "<!-- study:end -->"
+
+
+def readme_markers(name: str) -> tuple[str, str]:
+    """The markers around the block of the study ``name`` in a README that shows several studies."""
+    return f"<!-- study:{name}:begin -->", f"<!-- study:{name}:end -->"
 
 
 def readme_markdown(study: dict[str, Any], config: str, folder: str) -> str:
@@ -283,6 +289,7 @@ def readme_markdown(study: dict[str, Any], config: str, folder: str) -> str:
     n_tune = len(t["seeds"]) if "seeds" in t else 1
     n_trials = n_tune * sum(len(a["trials"]) for a in t["arms"].values()) + len(te["arms"]) * len(te["seeds"])
     cpus, threads = env.get("cpus") or [], env.get("threads_per_trial")
+    plural = "" if threads in (1, [1]) else "s"
 
     def words(v) -> str:
         return " and ".join(map(str, v)) if isinstance(v, list) else str(v)
@@ -291,8 +298,8 @@ def readme_markdown(study: dict[str, Any], config: str, folder: str) -> str:
         f"`retrofit study {config} --out {folder}` ([{folder}/study.md]({folder}/study.md): "
         f"every figure, per seed and per frontier point; its `study.json`). {n_trials} trials: tuning on "
         f"{t['n_rows']} validation rows with {_tuning_seeds(t)}, testing on the {te['n_rows']} test rows with seeds "
-        f"{', '.join(map(str, te['seeds']))}; {words(threads)} threads per trial, torch {words(env.get('torch'))}, "
-        f"on {words(cpus)}.",
+        f"{', '.join(map(str, te['seeds']))}; {words(threads)} thread{plural} per trial, "
+        f"torch {words(env.get('torch'))}, on {words(cpus)}.",
         "",
     ]
     for w in study.get("warnings") or []:
@@ -357,20 +364,24 @@ def readme_markdown(study: dict[str, Any], config: str, folder: str) -> str:
     return "\n".join(out)
 
 
-def write_readme_block(readme: str | os.PathLike, block: str) -> None:
-    """Replace the text between ``README_BEGIN`` and ``README_END`` in ``readme`` with ``block`` (atomically);
-    a README without the two markers, in that order, is refused and left as it is."""
+def write_readme_block(readme: str | os.PathLike, block: str, name: str | None = None) -> None:
+    """Replace the text between the markers of the study ``name`` (``readme_markers``) in ``readme`` with ``block``
+    (atomically), or between ``README_BEGIN`` and ``README_END`` where the README has no markers of its own for
+    that study; a README with neither pair, in order, is refused and left as it is."""
     from ..hub.atomic_io import write_text_atomic
     from ..model.errors import RetrofitUserError
 
     text = open(readme, encoding="utf-8").read()
-    i, j = text.find(README_BEGIN), text.find(README_END)
-    if i < 0 or j < i:
-        raise RetrofitUserError(
-            f"{readme}: --readme needs the lines {README_BEGIN} and {README_END}, in that order, around the block "
-            "the study writes; add them where the study's tables belong"
-        )
-    write_text_atomic(readme, text[: i + len(README_BEGIN)] + "\n" + block + "\n" + text[j:])
+    for begin, end in ([readme_markers(name)] if name else []) + [(README_BEGIN, README_END)]:
+        i, j = text.find(begin), text.find(end)
+        if 0 <= i < j:
+            write_text_atomic(readme, text[: i + len(begin)] + "\n" + block + "\n" + text[j:])
+            return
+    named = " or {} and {}".format(*readme_markers(name)) if name else ""
+    raise RetrofitUserError(
+        f"{readme}: --readme needs the lines {README_BEGIN} and {README_END}{named}, in that order, around the "
+        "block the study writes; add them where the study's tables belong"
+    )
 
 
 def plot_study(study: dict[str, Any], path: str | os.PathLike) -> str:

@@ -1,29 +1,77 @@
-"""README's evidence is the default study's: the tables between README's study markers are exactly what
-``retrofit study recipes/studies/main.yaml --out docs/studies/main --readme README.md`` writes from the committed
-``docs/studies/main/study.json`` (a study rerun without its README, or a hand-edited figure, fails here), and the
-figures README's prose quotes from the one-CPU core study are ``docs/studies/core_eight_seeds/study.json``'s."""
+"""README's evidence is the studies': the tables between README's study markers are exactly what
+``retrofit study recipes/studies/main.yaml --out docs/studies/main --readme README.md`` (and the same for full.yaml,
+between its own markers) writes from the committed ``study.json`` (a study rerun without its README, or a
+hand-edited figure, fails here), and the figures README's prose quotes are those studies'."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from retrofit.study.report import README_BEGIN, README_END, _ci, _pts, readme_markdown
+import pytest
+
+from retrofit.study.report import README_BEGIN, README_END, _ci, _pts, readme_markdown, readme_markers
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_readme_tables_are_the_committed_default_study():
+@pytest.mark.parametrize("name, markers", [("main", (README_BEGIN, README_END)), ("full", readme_markers("full"))])
+def test_readme_tables_are_the_committed_studies(name, markers):
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    i, j = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
-    study = json.loads((REPO / "docs" / "studies" / "main" / "study.json").read_text(encoding="utf-8"))
-    want = readme_markdown(study, "recipes/studies/main.yaml", "docs/studies/main")
+    i, j = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
+    study = json.loads((REPO / "docs" / "studies" / name / "study.json").read_text(encoding="utf-8"))
+    assert study["name"] == name
+    want = readme_markdown(study, f"recipes/studies/{name}.yaml", f"docs/studies/{name}")
     assert text[i:j].strip("\n") == want, (
-        "README's study tables differ from docs/studies/main/study.json: run "
-        "`retrofit study recipes/studies/main.yaml --out docs/studies/main --finished-only --readme README.md`"
+        f"README's study tables differ from docs/studies/{name}/study.json: run `retrofit study "
+        f"recipes/studies/{name}.yaml --out docs/studies/{name} --finished-only --readme README.md`"
     )
     for c in study["claims"].values():  # every claim is in the block, marked as study.json marks it
         assert c["effect"].split(",")[0] in want
+
+
+def _paragraph(start: str) -> str:
+    """README's paragraph that starts with ``start``, as one line (reflowing it changes nothing)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    i = text.index(start)
+    return " ".join(text[i : text.index("\n\n", i)].split())
+
+
+def _quotes(para: str, study: dict, quoted: set[tuple[str, str]]) -> None:
+    """Each (effect, arm) of ``quoted`` is in ``para`` as its across-seed figure in ``study``."""
+    quoted = set(quoted)
+    for e in study["effects"]:
+        if (e["effect"], e["a"]) in quoted:
+            assert _figure(e["across_seeds"]) in para, (e["effect"], e["a"], _figure(e["across_seeds"]))
+            quoted.discard((e["effect"], e["a"]))
+    assert not quoted, f"effects missing from study.json: {quoted}"
+
+
+def test_readme_default_study_paragraph_is_the_committed_default_study():
+    """README's reading of the default study quotes docs/studies/main/study.json: the effects, no claim met, one CPU,
+    and each arm's held-out accuracy per seed."""
+    para = _paragraph("**What it shows.** *No claim is met.*")
+    study = json.loads((REPO / "docs" / "studies" / "main" / "study.json").read_text(encoding="utf-8"))
+    assert not any(c["met"] for c in study["claims"].values())
+    assert study["environment"]["cpus"] == ["Intel(R) Xeon(R) Processor"]
+    _quotes(
+        para,
+        study,
+        {
+            ("vs_tuned_sft", "fixed"),
+            ("vs_tuned_sft", "tah2"),
+            ("own_vs_depth1", "tah2"),
+            ("adaptive_vs_fixed_at_equal_flops", "tah2"),
+        },
+    )
+    for arm in ("sft", "fixed", "tah2"):
+        folder = REPO / "docs" / "studies" / "main" / "trials"
+        per_seed = study["testing"]["arms"][arm]["per_seed"]
+        held = [
+            json.loads((folder / p["trial"] / "result.json").read_text())["levels"]["8"]["accuracy"] for p in per_seed
+        ]
+        assert " / ".join(f"{100 * a:.0f}" for a in held) in para, (arm, held)
+    assert study["tuning"]["arms"]["sft"]["chosen_lr"] == 1e-3
 
 
 def _figure(across: dict) -> str:
@@ -33,9 +81,7 @@ def _figure(across: dict) -> str:
 
 def test_readme_one_cpu_paragraph_is_the_committed_core_study():
     """README's paragraph on the one-CPU, eight-seed core study quotes docs/studies/core_eight_seeds/study.json."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    start = text.index("**On one CPU with eight seeds.**")
-    para = " ".join(text[start : text.index("\n\n", start)].split())  # as one line: reflowing it changes nothing
+    para = _paragraph("**On one CPU with eight seeds.**")
     study = json.loads((REPO / "docs" / "studies" / "core_eight_seeds" / "study.json").read_text(encoding="utf-8"))
     assert study["testing"]["seeds"] == [1, 2, 3, 4, 5, 7, 8, 9]
     cpus = {p["env"]["cpu"] for p in _trials(study)}
@@ -44,17 +90,16 @@ def test_readme_one_cpu_paragraph_is_the_committed_core_study():
         per_seed = study["testing"]["arms"][arm]["per_seed"]
         mean = sum(p["accuracy"] for p in per_seed) / len(per_seed)
         assert f"{100 * mean:.1f}%" in para, (arm, mean)
-    quoted = {
-        ("vs_tuned_sft", "fixed"),
-        ("vs_tuned_sft", "tah2"),
-        ("adaptive_vs_fixed_at_equal_flops", "tah2"),
-        ("decider_vs_random", "tah2"),
-    }
-    for e in study["effects"]:
-        if (e["effect"], e["a"]) in quoted:
-            assert _figure(e["across_seeds"]) in para, (e["effect"], e["a"], _figure(e["across_seeds"]))
-            quoted.discard((e["effect"], e["a"]))
-    assert not quoted, f"effects missing from study.json: {quoted}"
+    _quotes(
+        para,
+        study,
+        {
+            ("vs_tuned_sft", "fixed"),
+            ("vs_tuned_sft", "tah2"),
+            ("adaptive_vs_fixed_at_equal_flops", "tah2"),
+            ("decider_vs_random", "tah2"),
+        },
+    )
 
 
 def _trials(study: dict) -> list[dict]:

@@ -3,6 +3,8 @@ few seeds or learning rates only warn, and ``retrofit study`` says so on one lin
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_study_resume import PRESET, STUDY, write_study
 
@@ -187,13 +189,24 @@ def test_a_study_that_extends_another_is_the_copy_it_replaces(tmp_path):
 
 
 def test_the_committed_studies_that_extend_main_resolve_to_its_arms():
-    """The committed studies written as changes to main.yaml keep its settings: main_tuned_twice is main tuned with
-    seeds 0 and 6; core_eight_seeds is that with sft, fixed and tah2 only and eight test seeds."""
+    """The committed studies written as changes to another keep its settings: full is main with ANIRA-E, Ouro, test
+    seeds 1-5 and 2 threads; main_tuned_twice is full tuned with seeds 0 and 6; core_eight_seeds is that with sft,
+    fixed and tah2 only and eight test seeds; core_threads1 is main under its own name (the same trials)."""
     from pathlib import Path
 
     studies = Path(__file__).resolve().parents[2] / "recipes" / "studies"
-    main, twice, core = (load_study(studies / f"{n}.yaml") for n in ("main", "main_tuned_twice", "core_eight_seeds"))
-    assert (twice.name, twice.tuning_seeds, twice.test_seeds) == ("main_tuned_twice", (0, 6), main.test_seeds)
-    assert twice.arms == main.arms and twice.test_eval == main.test_eval and twice.description == main.description
+    main, full, twice, core, threads1 = (
+        load_study(studies / f"{n}.yaml")
+        for n in ("main", "full", "main_tuned_twice", "core_eight_seeds", "core_threads1")
+    )
+    assert (main.name, main.threads, main.test_seeds, main.tuning_seeds) == ("main", 1, (1, 2, 3), (0,))
+    assert [a.name for a in main.arms] == ["sft", "fixed", "tah2"]
+    assert (full.name, full.threads, full.test_seeds) == ("full", 2, (1, 2, 3, 4, 5))
+    assert [a.name for a in full.arms] == ["sft", "fixed", "tah2", "anira_e", "ouro"]  # tah2_two_stage: off
+    assert full.arms[:3] == main.arms and full.test_eval == main.test_eval and full.tune_eval == main.tune_eval
+    assert (twice.name, twice.tuning_seeds, twice.test_seeds) == ("main_tuned_twice", (0, 6), full.test_seeds)
+    assert twice.arms == full.arms and twice.test_eval == full.test_eval and twice.description == full.description
     assert [a.name for a in core.arms] == ["sft", "fixed", "tah2"] and core.tuning_seeds == (0, 6)
-    assert core.arms == main.arms[:3] and core.test_seeds == (1, 2, 3, 4, 5, 7, 8, 9)
+    assert core.arms == full.arms[:3] and core.test_seeds == (1, 2, 3, 4, 5, 7, 8, 9)
+    same = dataclasses.replace(threads1, name="main", description=main.description, path=main.path)
+    assert threads1.name == "core_threads1" and same == main

@@ -346,9 +346,9 @@ def test_finished_only_reports_the_whole_seeds_that_have_finished(reference, tmp
 def test_the_readme_block_is_written_between_its_markers_from_the_study(reference, tmp_path, capsys):
     """``--readme FILE``: the tables between the two markers are ``readme_markdown`` of the study it wrote (paths
     relative to the README), the text around them untouched; a README without the markers is refused and left as
-    it was."""
+    it was; the study's own markers (``readme_markers``), where a README has them, are written instead."""
     from retrofit.cli import main
-    from retrofit.study.report import README_BEGIN, README_END, readme_markdown
+    from retrofit.study.report import README_BEGIN, README_END, readme_markdown, readme_markers
 
     out, text, study = reference
     cfg = write_study(tmp_path / "cfg")
@@ -366,6 +366,14 @@ def test_the_readme_block_is_written_between_its_markers_from_the_study(referenc
     capsys.readouterr()
     assert main(["study", str(cfg), "--out", str(tmp_path / "res"), "--finished-only", "--readme", str(bare)]) == 2
     assert "needs the lines <!-- study:begin -->" in capsys.readouterr().err and bare.read_text() == "# no markers\n"
+
+    # a README showing two studies: the study's own markers win over the default study's, which stay as they were
+    begin, end = readme_markers(study["name"])
+    two = tmp_path / "two.md"
+    two.write_text(f"{README_BEGIN}\ndefault\n{README_END}\n\n{begin}\nold\n{end}\n")
+    assert main(["study", str(cfg), "--out", str(tmp_path / "res"), "--finished-only", "--readme", str(two)]) == 0
+    block = readme_markdown(study, "cfg/tiny.yaml", "res")
+    assert two.read_text() == f"{README_BEGIN}\ndefault\n{README_END}\n\n{begin}\n{block}\n{end}\n"
 
 
 def test_a_part_run_first_is_resumed_into_the_whole_study(reference, tmp_path):

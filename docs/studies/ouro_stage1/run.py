@@ -11,7 +11,7 @@ from pathlib import Path
 from retrofit.study.config import load_study
 from retrofit.study.trial import Trial, run_trial
 
-cfg = load_study(Path("recipes/studies/main.yaml"))
+cfg = load_study(Path("recipes/studies/full.yaml"))
 lr = float(sys.argv[1]) if len(sys.argv) > 1 else 2e-3
 arms = []
 for a in cfg.arms:
