@@ -14,6 +14,7 @@ modes agree on all of them.
 
     python benchmarks/study_jobs.py                                   # tah2, 1e-3, seeds 0 and 6, 60 steps
     python benchmarks/study_jobs.py --arm sft --steps 240 --out jobs.json
+    python benchmarks/study_jobs.py --steps 240 --keep runs/   # and keep the trials (study_twins.py pairs them)
 """
 
 from __future__ import annotations
@@ -85,21 +86,29 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=60, help="training steps per trial (default: 60)")
     p.add_argument("--cores", type=int, default=2, help="cores to use: threads per trial x jobs (default: 2)")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
+    p.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="keep each mode's trial folders under DIR (t<threads>-j<jobs>/trials/<trial>/result.json, with the keys "
+        "the study gives them: benchmarks/study_twins.py can pair them) instead of a temporary folder",
+    )
     a = p.parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",")]
     if a.steps < 1 or a.cores < 2:
         p.error("--steps must be >= 1 and --cores >= 2")
     import torch
 
-    from retrofit.study.env import cpu_model
+    from retrofit.study.env import cpu_id, cpu_model
 
     with tempfile.TemporaryDirectory(prefix="study_jobs-") as d:
-        tmp = Path(d)
+        tmp = Path(a.keep) if a.keep else Path(d)
+        tmp.mkdir(parents=True, exist_ok=True)
         config = Path(a.config).resolve()
         seq = run_mode(config, a.arm, a.lr, seeds, a.cores, 1, a.steps, tmp)
         par = run_mode(config, a.arm, a.lr, seeds, 1, a.cores, a.steps, tmp)
     out = {
         "cpu": cpu_model(),
+        "cpu_id": cpu_id(),
         "torch": torch.__version__,
         "config": a.config,
         "arm": a.arm,
