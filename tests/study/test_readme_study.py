@@ -30,6 +30,21 @@ def test_readme_tables_are_the_committed_studies(name, markers):
         assert c["effect"].split(",")[0] in want
 
 
+@pytest.mark.parametrize("name", ["main", "full"])
+def test_the_committed_study_is_what_its_file_gives_from_its_trials(name, tmp_path):
+    """``docs/studies/<name>/study.json`` is what ``retrofit study recipes/studies/<name>.yaml --finished-only``
+    writes from the committed result JSONs alone: an edit of the study file that changes a trial's key (its trials
+    would no longer count), or a study.json not rebuilt after one, fails here."""
+    import shutil
+
+    from retrofit.study.runner import report_finished
+
+    shutil.copytree(REPO / "docs" / "studies" / name / "trials", tmp_path / "trials")
+    got = report_finished(REPO / "recipes" / "studies" / f"{name}.yaml", tmp_path)
+    want = json.loads((REPO / "docs" / "studies" / name / "study.json").read_text(encoding="utf-8"))
+    assert not got.get("warnings") and json.loads((tmp_path / "study.json").read_text(encoding="utf-8")) == want
+
+
 def _paragraph(start: str) -> str:
     """README's paragraph that starts with ``start``, as one line (reflowing it changes nothing)."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
