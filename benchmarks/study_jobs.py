@@ -20,6 +20,7 @@ modes agree on all of them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -100,8 +101,8 @@ def main(argv=None) -> dict:
 
     from retrofit.study.env import cpu_id, cpu_model
 
-    with tempfile.TemporaryDirectory(prefix="study_jobs-") as d:
-        tmp = Path(a.keep) if a.keep else Path(d)
+    with contextlib.nullcontext(a.keep) if a.keep else tempfile.TemporaryDirectory(prefix="study_jobs-") as d:
+        tmp = Path(d)
         tmp.mkdir(parents=True, exist_ok=True)
         config = Path(a.config).resolve()
         seq = run_mode(config, a.arm, a.lr, seeds, a.cores, 1, a.steps, tmp)

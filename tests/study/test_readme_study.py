@@ -80,11 +80,7 @@ def test_readme_default_study_paragraph_is_the_committed_default_study():
         },
     )
     for arm in ("sft", "fixed", "tah2"):
-        folder = REPO / "docs" / "studies" / "main" / "trials"
-        per_seed = study["testing"]["arms"][arm]["per_seed"]
-        held = [
-            json.loads((folder / p["trial"] / "result.json").read_text())["levels"]["8"]["accuracy"] for p in per_seed
-        ]
+        held = [t["levels"]["8"]["accuracy"] for t in _trials(study, arm)]
         assert " / ".join(f"{100 * a:.0f}" for a in held) in para, (arm, held)
     assert study["tuning"]["arms"]["sft"]["chosen_lr"] == 1e-3
 
@@ -117,11 +113,13 @@ def test_readme_one_cpu_paragraph_is_the_committed_core_study():
     )
 
 
-def _trials(study: dict) -> list[dict]:
-    """The result JSONs of a committed study's test trials at the chosen rates."""
+def _trials(study: dict, arm: str | None = None) -> list[dict]:
+    """The result JSONs of a committed study's test trials at the chosen rates (of ``arm``, or of every arm), seed
+    by seed."""
     folder = REPO / "docs" / "studies" / study["name"] / "trials"
     return [
         json.loads((folder / p["trial"] / "result.json").read_text(encoding="utf-8"))
-        for arm in study["testing"]["arms"].values()
-        for p in arm["per_seed"]
+        for name, a in study["testing"]["arms"].items()
+        if arm in (None, name)
+        for p in a["per_seed"]
     ]
