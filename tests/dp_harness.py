@@ -460,6 +460,9 @@ def main(argv=None) -> int:
             train_one(name, engine, args, world)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"dp_harness: {args.engine} x{world}: {time.time() - t0:.1f} s for {args.methods}", flush=True)
+    from retrofit.recipe.run import close_process_group
+
+    close_process_group()  # as the recipes do: a ZeRO-3 rank exiting with its group alive can abort at teardown
     return 0
 
 

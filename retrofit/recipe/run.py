@@ -206,16 +206,22 @@ def calibrate(looped, tokenizer, script: ScriptArgs, splits, seed: int, out: Pat
     return res
 
 
-def _run_and_close(spec: RecipeSpec) -> int:
-    """``run_recipe``, then, after a run that succeeded, the process group torch.distributed was given shut down
-    (PyTorch's documented shutdown; a rank that exits with its group alive can abort in the C++ teardown,
-    "terminate called without an active exception", once seen here on 2 CPU processes under ZeRO-3). A failed run
-    leaves it alone: destroying it while another rank may still be in a collective can hang."""
-    rc = run_recipe(spec)
+def close_process_group() -> None:
+    """Shut down the process group torch.distributed was given, if any (PyTorch's documented shutdown; a rank that
+    exits with its group alive can abort in the C++ teardown, "terminate called without an active exception", seen
+    here on 2 CPU processes under ZeRO-3). Call it only after a run that succeeded: destroying the group while another
+    rank may still be in a collective can hang."""
     import torch.distributed as dist
 
-    if rc == 0 and dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _run_and_close(spec: RecipeSpec) -> int:
+    """``run_recipe``, then, after a run that succeeded, ``close_process_group``; a failed run leaves it alone."""
+    rc = run_recipe(spec)
+    if rc == 0:
+        close_process_group()
     return rc
 
 
