@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..model.errors import RetrofitUserError
 from ..training.model_setup import loop_args_class
+from .yaml_file import read_yaml
 
 CONTROLS = ("sft", "fixed")
 
@@ -143,6 +144,11 @@ def parse_recipe_args(spec: RecipeSpec, argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
         argv = ["--config", str(spec.preset), *argv]
+    for i, a in enumerate(argv):  # a missing or malformed preset: one error line, not the YAML parser's traceback
+        if a.startswith("--config="):
+            read_yaml(a.split("=", 1)[1], "--config")
+        elif a == "--config" and i + 1 < len(argv):
+            read_yaml(argv[i + 1], "--config")
     script, train, loop = TrlParser((ScriptArgs, RetrofitSFTConfig, loop_args_class())).parse_args_and_config(argv)
     if loop.method not in spec.methods:
         raise RetrofitUserError(f"--method must be {' or '.join(spec.methods)}, got {loop.method!r} ({spec.name})")

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model.errors import RetrofitUserError
+from ..recipe.yaml_file import read_yaml
 
 #: what an arm trains (``retrofit.recipe``): the looped arm of its preset, or one of the control arms
 ARM_KINDS = ("sft", "fixed", "looped")
@@ -258,14 +259,12 @@ def _absolute(raw: dict, here: Path) -> dict:
 def _read(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     """A study file as a mapping, its ``extends`` (another study file, relative to it) merged under it (``_merge``).
     What the base file says is checked as part of the result, so an extending file is checked whole."""
-    import yaml
-
     if path in chain:
         raise RetrofitUserError(f"extends: {' -> '.join(p.name for p in (*chain, path))} is a cycle")
     if not path.is_file():
         where = f" (extends of {chain[-1]})" if chain else ""
         raise RetrofitUserError(f"study config {path} does not exist{where}")
-    raw = _mapping(yaml.safe_load(path.read_text()), str(path))
+    raw = _mapping(read_yaml(path, "study config"), str(path))
     _keys(raw, _TOP, str(path))
     raw = _absolute(raw, path.parent)
     base = raw.pop("extends", None)

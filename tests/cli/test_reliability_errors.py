@@ -239,6 +239,21 @@ def test_recipe_bad_loop_config_is_one_line(tah2, tmp_path, capsys, extra, needl
     assert not (tmp_path / "out" / "final").exists()
 
 
+def test_recipe_bad_config_file_is_one_line(tah2, tmp_path, capsys):
+    """A preset that is missing or is not YAML ends in one line with the file and the place, before anything runs."""
+    bad = tmp_path / "preset.yaml"
+    bad.write_text("learning_rate: 1.0e-3\nnote: two stages: then the decider\n")
+    for argv, needle in (
+        (["--config", str(bad)], f"--config {bad} is not valid YAML at line 2, column 17: mapping values"),
+        ([f"--config={tmp_path / 'none.yaml'}"], f"--config {tmp_path / 'none.yaml'} does not exist"),
+    ):
+        rc = run_cli(tah2.main, [*argv, "--output_dir", str(tmp_path / "out")])
+        assert rc == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert needle in line, line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "name, extra, needle",
     [

@@ -186,6 +186,9 @@ def test_a_study_that_extends_another_is_the_copy_it_replaces(tmp_path):
     child.write_text("extends: [../base/tiny.yaml]\n")
     with pytest.raises(RetrofitUserError, match=r"extends must be the path of another study file"):
         load_study(child)
+    child.write_text("extends: ../base/tiny.yaml\ndescription: two stages: every depth, then the decider\n")
+    with pytest.raises(RetrofitUserError, match=r"child.yaml is not valid YAML at line 2, column 24: mapping values"):
+        load_study(child)
 
 
 def test_the_committed_studies_that_extend_main_resolve_to_its_arms():
