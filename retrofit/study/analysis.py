@@ -411,6 +411,46 @@ def claims(found: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def second_pass(test: dict[str, dict[int, dict]], seeds) -> dict[str, list[dict[str, Any]]]:
+    """Per adaptive arm and seed, what its second pass does and what its decider sees, from the frontier's forced
+    depths, ceiling and gain deciles: is a flat frontier a blind decider or a pass that helps no token?
+
+    ``forced`` (exact match on the frontier rows with every token at each depth), ``ceiling_bound`` (exact match if
+    every answer step ran to its first right depth: the most any allocation can reach), and over the decider's
+    ``n_decisions`` at the answer steps (``gain_by_decile``): its continue probability (min, max and mean),
+    the mean realized gain of one more iteration in nats (teacher-forced loss at depth d minus d + 1; > 0 helps),
+    the share of decisions with a positive gain, and the Spearman of the deciles' probability against their gain."""
+    out = {}
+    for arm, by_seed in test.items():
+        rows = []
+        for s in seeds:
+            fr = by_seed[s].get("frontier") or {}
+            g = fr.get("gain_by_decile")
+            if not g or not g.get("bins"):
+                continue
+            bins = g["bins"]
+            n = np.array([b["n"] for b in bins], dtype=float)
+            rows.append(
+                {
+                    "seed": s,
+                    "forced": {str(p["depth"]): p["accuracy"] for p in fr["points"] if p["policy"] == "forced"},
+                    "ceiling_bound": (fr.get("ceiling") or {}).get("exact_match_bound"),
+                    "n_decisions": g["n_decisions"],
+                    "continue_prob": {
+                        "min": min(b["prob_min"] for b in bins),
+                        "max": max(b["prob_max"] for b in bins),
+                        "mean": float(np.average([b["prob_mean"] for b in bins], weights=n)),
+                    },
+                    "gain_mean": float(np.average([b["gain_mean"] for b in bins], weights=n)),
+                    "share_gain_positive": float(np.average([b["share_gain_positive"] for b in bins], weights=n)),
+                    "decile_spearman": g.get("spearman"),
+                }
+            )
+        if rows:
+            out[arm] = rows
+    return out
+
+
 def frontier_summary(test: dict[str, dict[int, dict]], seeds) -> dict[str, list[dict[str, Any]]]:
     """Per arm, every frontier point across seeds (matched by policy and stop share / depth / own threshold):
     accuracy, FLOPs per answer token and d̄ per seed, their mean, min and max."""

@@ -257,6 +257,49 @@ def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
             )
     out += _table(["arm", "point", "d̄", "MFLOPs / answer token", "accuracy %"], rows)
 
+    if study.get("second_pass"):
+        out += [
+            "## The second pass, per seed",
+            "",
+            "Is a flat frontier a blind decider or a pass that helps no token? Frontier rows: exact match with every "
+            "token forced to each depth, and the ceiling (each answer step at its first right depth); over the "
+            "decider's decisions at the answer steps: its continue probability, the realized gain of one more "
+            "iteration (teacher-forced loss at depth d minus d + 1, nats; > 0 helps), the share of decisions it "
+            "helps, and the Spearman of the deciles' probability against their mean gain.",
+            "",
+        ]
+        rows = []
+        for arm, per_seed in study["second_pass"].items():
+            for r in per_seed:
+                c = r["continue_prob"]
+                rows.append(
+                    [
+                        arm,
+                        str(r["seed"]),
+                        " / ".join(f"{_pct(a)}" for _, a in sorted(r["forced"].items(), key=lambda kv: int(kv[0]))),
+                        _pct(r["ceiling_bound"]),
+                        str(r["n_decisions"]),
+                        f"{c['min']:.2g}–{c['max']:.2g} ({c['mean']:.2g})",
+                        f"{r['gain_mean']:+.3g}",
+                        _pct(r["share_gain_positive"]),
+                        _p(r["decile_spearman"]),
+                    ]
+                )
+        out += _table(
+            [
+                "arm",
+                "seed",
+                "forced depth 1 / 2 … %",
+                "ceiling %",
+                "decisions",
+                "continue probability min–max (mean)",
+                "mean gain (nats)",
+                "gain > 0 %",
+                "decile ρ",
+            ],
+            rows,
+        )
+
     env = study["environment"]
     out += ["## Environment and time", ""]
     out += [f"- {k}: {', '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in env.items()]

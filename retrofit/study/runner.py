@@ -348,6 +348,7 @@ def write_study(cfg: StudyConfig, out: Path, choices: dict, results: dict[Trial,
         "effects": found,
         "claims": A.claims(found),
         "frontier": A.frontier_summary(test, list(cfg.test_seeds)),
+        "second_pass": A.second_pass(test, list(cfg.test_seeds)),
     }
     timings = {t.id: r.get("timings") for t, r in sorted(results.items(), key=lambda kv: kv[0].id) if r.get("timings")}
     totals = {k: round(sum((v or {}).get(k) or 0 for v in timings.values()), 1) for k in ("train_s", "eval_s")}

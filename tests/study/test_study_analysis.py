@@ -348,3 +348,59 @@ def test_study_md_splits_training_and_held_out_levels():
         assert rows[arm][1] == f"{a['lr']:g}"
     te["arms"]["tah2"]["per_seed"][1]["splits"]["held_out"]["n"] = 0
     assert _split_table(te) == []
+
+
+def test_the_second_pass_pools_the_gain_deciles_by_their_counts():
+    """study.json's ``second_pass``: per adaptive arm and seed, the forced depths and ceiling of the frontier, and
+    the decider's continue probability and realized gains pooled over its decisions, against the decisions pooled by
+    hand; an arm without gain deciles (the SFT control, the fixed arm) has no entry, and study.md shows the table."""
+    from retrofit.study.report import study_markdown
+
+    rng = np.random.default_rng(3)
+    test = {"sft": {s: {"frontier": None} for s in SEEDS}, "tah2": {}}
+    pooled = {}
+    for s in SEEDS:
+        probs = np.sort(rng.uniform(0, 1, size=50))
+        gains = rng.normal(-0.5, 1.0, size=50)
+        edges = [0, 7, 20, 33, 50]  # unequal bins: the pooling must weigh each by its count
+        bins = [
+            {
+                "bin": i + 1,
+                "n": hi - lo,
+                "prob_mean": float(probs[lo:hi].mean()),
+                "prob_min": float(probs[lo:hi].min()),
+                "prob_max": float(probs[lo:hi].max()),
+                "gain_mean": float(gains[lo:hi].mean()),
+                "share_gain_positive": float((gains[lo:hi] > 0).mean()),
+            }
+            for i, (lo, hi) in enumerate(zip(edges, edges[1:]))
+        ]
+        points = [
+            {"policy": "forced", "key": f"forced:{d}", "depth": d, "accuracy": a} for d, a in ((1, 0.6), (2, 0.1 * s))
+        ]
+        test["tah2"][s] = {
+            "frontier": {
+                "points": points,
+                "ceiling": {"exact_match_bound": 0.7},
+                "gain_by_decile": {"n_decisions": 50, "n_bins": 4, "bins": bins, "spearman": 0.4},
+            }
+        }
+        pooled[s] = (probs, gains)
+    got = A.second_pass(test, SEEDS)
+    assert set(got) == {"tah2"}
+    for row in got["tah2"]:
+        probs, gains = pooled[row["seed"]]
+        assert row["forced"] == {"1": 0.6, "2": pytest.approx(0.1 * row["seed"])}
+        assert row["ceiling_bound"] == 0.7 and row["n_decisions"] == 50 and row["decile_spearman"] == 0.4
+        assert row["continue_prob"] == pytest.approx({"min": probs.min(), "max": probs.max(), "mean": probs.mean()})
+        assert row["gain_mean"] == pytest.approx(gains.mean())
+        assert row["share_gain_positive"] == pytest.approx((gains > 0).mean())
+
+    import json
+    from pathlib import Path
+
+    study = json.loads((Path(__file__).resolve().parents[2] / "docs/studies/main/study.json").read_text())
+    table = study_markdown(study, {}).split("## The second pass, per seed")[1].split("##")[0]
+    for r in study["second_pass"]["tah2"]:
+        forced = " / ".join(f"{100 * r['forced'][d]:.1f}" for d in ("1", "2"))
+        assert f"| tah2 | {r['seed']} | {forced} | {100 * r['ceiling_bound']:.1f} | {r['n_decisions']} |" in table
