@@ -30,7 +30,7 @@ def test_readme_tables_are_the_committed_studies(name, markers):
         assert c["effect"].split(",")[0] in want
 
 
-@pytest.mark.parametrize("name", ["main", "full"])
+@pytest.mark.parametrize("name", ["main", "full", "two_stage"])
 def test_the_committed_study_is_what_its_file_gives_from_its_trials(name, tmp_path):
     """``docs/studies/<name>/study.json`` is what ``retrofit study recipes/studies/<name>.yaml --finished-only``
     writes from the committed result JSONs alone: an edit of the study file that changes a trial's key (its trials
@@ -123,3 +123,39 @@ def _trials(study: dict, arm: str | None = None) -> list[dict]:
         if arm in (None, name)
         for p in a["per_seed"]
     ]
+
+
+def test_readme_two_stage_paragraph_is_the_committed_studies():
+    """README's paragraph on TaH2's flat frontier quotes the second pass of every committed TaH2 test trial
+    (study.json's ``second_pass``), the losses before training (docs/studies/two_stage/init_gains.json) and the
+    two-stage arm's effects (docs/studies/two_stage/study.json)."""
+    para = _paragraph("**Why the frontier is flat, and TaH2 in two stages.**")
+    distinct = {}
+    for name in ("main", "full", "core_eight_seeds"):
+        study = json.loads((REPO / "docs" / "studies" / name / "study.json").read_text(encoding="utf-8"))
+        for row in study["second_pass"]["tah2"]:
+            distinct[json.dumps(row, sort_keys=True)] = row
+    rows = list(distinct.values())
+    assert f"0% in all {len(rows)} TaH2 test trials" in para and all(r["forced"]["2"] == 0 for r in rows)
+    gains = [r["gain_mean"] for r in rows]
+    assert f"loses {-max(gains):.1f} to {-min(gains):.1f} nats" in para and max(gains) < 0
+    init = json.loads((REPO / "docs" / "studies" / "two_stage" / "init_gains.json").read_text(encoding="utf-8"))
+    l1 = {round(v["loss_depth1"], 2) for v in init["seeds"].values()}
+    l2 = [v["loss_depth2"] for v in init["seeds"].values()]
+    assert len(l1) == 1 and f"{min(l2):.1f}–{max(l2):.1f} nats against depth 1's {l1.pop():.2f}" in para
+
+    study = json.loads((REPO / "docs" / "studies" / "two_stage" / "study.json").read_text(encoding="utf-8"))
+    assert study["claims"]["depth_follows_difficulty:tah2_two_stage"]["met"]
+    assert not any(c["met"] for k, c in study["claims"].items() if k != "depth_follows_difficulty:tah2_two_stage")
+    _quotes(
+        para,
+        study,
+        {
+            ("decider_vs_random", "tah2_two_stage"),
+            ("decider_vs_oracle", "tah2_two_stage"),
+            ("vs_tuned_sft", "tah2_two_stage"),
+        },
+    )
+    rho = next(e for e in study["effects"] if (e["effect"], e["a"]) == ("depth_vs_token_loss", "tah2_two_stage"))
+    lo, hi = rho["across_seeds"]["ci"]
+    assert f"ρ {rho['across_seeds']['estimate']:+.3f} [{lo:+.2f}, {hi:+.2f}]" in para

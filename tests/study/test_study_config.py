@@ -194,7 +194,8 @@ def test_a_study_that_extends_another_is_the_copy_it_replaces(tmp_path):
 def test_the_committed_studies_that_extend_main_resolve_to_its_arms():
     """The committed studies written as changes to another keep its settings: full is main with ANIRA-E, Ouro, test
     seeds 1-5 and 2 threads; main_tuned_twice is full tuned with seeds 0 and 6; core_eight_seeds is that with sft,
-    fixed and tah2 only and eight test seeds; core_threads1 is main under its own name (the same trials)."""
+    fixed and tah2 only and eight test seeds; core_threads1 is main under its own name (the same
+    trials); two_stage is main with TaH2 in two stages."""
     from pathlib import Path
 
     studies = Path(__file__).resolve().parents[2] / "recipes" / "studies"
@@ -213,3 +214,8 @@ def test_the_committed_studies_that_extend_main_resolve_to_its_arms():
     assert core.arms == full.arms[:3] and core.test_seeds == (1, 2, 3, 4, 5, 7, 8, 9)
     same = dataclasses.replace(threads1, name="main", description=main.description, path=main.path)
     assert threads1.name == "core_threads1" and same == main
+    # two_stage is main with one more arm: the tah2 arm's flags and the two stages
+    two = load_study(studies / "two_stage.yaml")
+    assert two.arms[:3] == main.arms and (two.test_seeds, two.threads) == (main.test_seeds, main.threads)
+    staged = dict(two.arm("tah2_two_stage").flags)
+    assert staged == {**dict(main.arm("tah2").flags), "depth_warmup_steps": 80, "decider_phase_from": 80}
