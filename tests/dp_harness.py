@@ -460,10 +460,9 @@ def main(argv=None) -> int:
             train_one(name, engine, args, world)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"dp_harness: {args.engine} x{world}: {time.time() - t0:.1f} s for {args.methods}", flush=True)
-    from retrofit.recipe.run import close_process_group
+    from retrofit.recipe.run import finish_process
 
-    close_process_group()  # as the recipes do: a ZeRO-3 rank exiting with its group alive can abort at teardown
-    return 0
+    finish_process(0)  # as the recipes end: a ZeRO-3 rank can abort in the interpreter's teardown
 
 
 if __name__ == "__main__":

@@ -217,12 +217,23 @@ def close_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _run_and_close(spec: RecipeSpec) -> int:
-    """``run_recipe``, then, after a run that succeeded, ``close_process_group``; a failed run leaves it alone."""
-    rc = run_recipe(spec)
+def finish_process(rc: int):
+    """End a recipe's process with exit code ``rc``; never returns.
+
+    After a run that succeeded the process group is closed (``close_process_group``). In a launch of several ranks
+    (``WORLD_SIZE`` > 1) the process then leaves with ``os._exit`` once stdout, stderr and logging are flushed,
+    skipping the interpreter's teardown: there a rank can still abort in C++ ("terminate called without an active
+    exception", seen under ZeRO-3 on 2 CPU processes with the group already destroyed), which turns a run whose
+    checkpoints are saved into a failed launch. Everything a run writes is written and closed before it returns;
+    ``atexit`` handlers do not run in that case. A failed run, or a one-process one, exits normally."""
     if rc == 0:
         close_process_group()
-    return rc
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(0)
+    sys.exit(rc)
 
 
 def quiet_cpu_env() -> None:
@@ -240,4 +251,4 @@ def recipe_main(spec: RecipeSpec) -> None:
     from ..model.errors import run_cli
 
     quiet_cpu_env()
-    sys.exit(run_cli(_run_and_close, spec))
+    finish_process(run_cli(run_recipe, spec))
