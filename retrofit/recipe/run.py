@@ -206,28 +206,21 @@ def calibrate(looped, tokenizer, script: ScriptArgs, splits, seed: int, out: Pat
     return res
 
 
-def close_process_group() -> None:
-    """Shut down the process group torch.distributed was given, if any (PyTorch's documented shutdown; a rank that
-    exits with its group alive can abort in the C++ teardown, "terminate called without an active exception", seen
-    here on 2 CPU processes under ZeRO-3). Call it only after a run that succeeded: destroying the group while another
-    rank may still be in a collective can hang."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def finish_process(rc: int):
     """End a recipe's process with exit code ``rc``; never returns.
 
-    After a run that succeeded the process group is closed (``close_process_group``). In a launch of several ranks
+    After a run that succeeded the process group torch.distributed was given is shut down (PyTorch's documented
+    shutdown; destroying it after a failed run could hang on a rank still in a collective). In a launch of several ranks
     (``WORLD_SIZE`` > 1) the process then leaves with ``os._exit`` once stdout, stderr and logging are flushed,
     skipping the interpreter's teardown: there a rank can still abort in C++ ("terminate called without an active
     exception", seen under ZeRO-3 on 2 CPU processes with the group already destroyed), which turns a run whose
     checkpoints are saved into a failed launch. Everything a run writes is written and closed before it returns;
     ``atexit`` handlers do not run in that case. A failed run, or a one-process one, exits normally."""
     if rc == 0:
-        close_process_group()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             sys.stdout.flush()
             sys.stderr.flush()

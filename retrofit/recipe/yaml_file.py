@@ -5,6 +5,8 @@ transformers and the hub client."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..model.errors import RetrofitUserError
 
 
@@ -12,8 +14,6 @@ def read_yaml(path, what: str):
     """The YAML file ``path`` parsed (``yaml.safe_load``); a missing file or a syntax error is a
     :class:`RetrofitUserError` naming ``what`` (e.g. ``"--config"``), the file, and the line and column of the
     problem, instead of a traceback through the YAML parser."""
-    from pathlib import Path
-
     import yaml
 
     path = Path(path)

@@ -276,7 +276,7 @@ def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
                     [
                         arm,
                         str(r["seed"]),
-                        " / ".join(f"{_pct(a)}" for _, a in sorted(r["forced"].items(), key=lambda kv: int(kv[0]))),
+                        " / ".join(_pct(a) for _, a in sorted(r["forced"].items(), key=lambda kv: int(kv[0]))),
                         _pct(r["ceiling_bound"]),
                         str(r["n_decisions"]),
                         f"{c['min']:.2g}–{c['max']:.2g} ({c['mean']:.2g})",
