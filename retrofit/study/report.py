@@ -427,6 +427,14 @@ def write_readme_block(readme: str | os.PathLike, block: str, name: str | None =
     )
 
 
+def _spread(points: list[dict], key: str) -> np.ndarray:
+    """``[2, n]``: each point's mean − min and max − mean of ``key`` over the seeds, for an error bar. A spread of
+    0 can come out as −1e-16 (the mean of three equal floats is not always that float), which matplotlib rejects."""
+    lo = [g[key]["mean"] - g[key]["min"] for g in points]
+    hi = [g[key]["max"] - g[key]["mean"] for g in points]
+    return np.clip(np.array([lo, hi], dtype=np.float64), 0.0, None)
+
+
 def plot_study(study: dict[str, Any], path: str | os.PathLike) -> str:
     """Accuracy vs FLOPs per answer token on the frontier rows: every arm (colour) and policy (marker), each point
     the mean over seeds with the seeds' min–max as error bars in both directions; the decider's points joined."""
@@ -448,21 +456,8 @@ def plot_study(study: dict[str, Any], path: str | os.PathLike) -> str:
             mine.sort(key=lambda g: g["flops_per_token"]["mean"])
             x = np.array([g["flops_per_token"]["mean"] for g in mine]) / 1e6
             y = np.array([g["accuracy"]["mean"] for g in mine])
-            xerr = (
-                np.array(
-                    [
-                        [g["flops_per_token"]["mean"] - g["flops_per_token"]["min"] for g in mine],
-                        [g["flops_per_token"]["max"] - g["flops_per_token"]["mean"] for g in mine],
-                    ]
-                )
-                / 1e6
-            )
-            yerr = np.array(
-                [
-                    [g["accuracy"]["mean"] - g["accuracy"]["min"] for g in mine],
-                    [g["accuracy"]["max"] - g["accuracy"]["mean"] for g in mine],
-                ]
-            )
+            xerr = _spread(mine, "flops_per_token") / 1e6
+            yerr = _spread(mine, "accuracy")
             filled = policy not in ("random", "forced")
             ax.errorbar(
                 x,

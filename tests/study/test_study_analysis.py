@@ -404,3 +404,21 @@ def test_the_second_pass_pools_the_gain_deciles_by_their_counts():
     for r in study["second_pass"]["tah2"]:
         forced = " / ".join(f"{100 * r['forced'][d]:.1f}" for d in ("1", "2"))
         assert f"| tah2 | {r['seed']} | {forced} | {100 * r['ceiling_bound']:.1f} | {r['n_decisions']} |" in table
+
+
+def test_the_plot_takes_a_point_whose_seeds_agree(tmp_path):
+    """Three seeds at 70.0% give a mean of 0.6999999999999998, below their min: the error bar's spread is clipped
+    at 0 instead of reaching matplotlib negative (which failed the exit_readout study at its last step)."""
+    from retrofit.study.report import _spread, plot_study
+
+    same = {"mean": sum([0.7, 0.7, 0.7]) / 3, "min": 0.7, "max": 0.7}
+    assert same["mean"] - same["min"] < 0  # the float case itself
+    wide = {"mean": 0.6, "min": 0.5, "max": 0.8}
+    got = _spread([{"accuracy": same}, {"accuracy": wide}], "accuracy")
+    assert (got >= 0).all()
+    np.testing.assert_allclose(got, [[0.0, 0.1], [0.0, 0.2]], atol=1e-12)
+    flops = {"mean": 3e8, "min": 3e8, "max": 3e8}
+    point = {"policy": "decider", "accuracy": same, "flops_per_token": flops}
+    study = {"name": "t", "testing": {"seeds": [1, 2, 3]}, "frontier": {"arm": [point, {**point, "policy": "forced"}]}}
+    plot_study(study, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
