@@ -30,7 +30,7 @@ def test_readme_tables_are_the_committed_studies(name, markers):
         assert c["effect"].split(",")[0] in want
 
 
-@pytest.mark.parametrize("name", ["main", "full", "two_stage"])
+@pytest.mark.parametrize("name", ["main", "full", "two_stage", "exit_readout"])
 def test_the_committed_study_is_what_its_file_gives_from_its_trials(name, tmp_path):
     """``docs/studies/<name>/study.json`` is what ``retrofit study recipes/studies/<name>.yaml --finished-only``
     writes from the committed result JSONs alone: an edit of the study file that changes a trial's key (its trials
@@ -159,3 +159,33 @@ def test_readme_two_stage_paragraph_is_the_committed_studies():
     rho = next(e for e in study["effects"] if (e["effect"], e["a"]) == ("depth_vs_token_loss", "tah2_two_stage"))
     lo, hi = rho["across_seeds"]["ci"]
     assert f"ρ {rho['across_seeds']['estimate']:+.3f} [{lo:+.2f}, {hi:+.2f}]" in para
+
+
+def test_readme_exit_readout_paragraph_is_the_committed_study():
+    """README's paragraph on TaH2 read out at its exit depth quotes docs/studies/exit_readout/study.json (no claim
+    met, its effects, the seeds that continue every token) and the residual-updater diagnostic's second pass."""
+    para = _paragraph("**TaH2 read out at its exit depth.**")
+    study = json.loads((REPO / "docs" / "studies" / "exit_readout" / "study.json").read_text(encoding="utf-8"))
+    assert not any(c["met"] for c in study["claims"].values())
+    arm = "tah2_exit_readout"
+    _quotes(
+        para,
+        study,
+        {
+            ("own_vs_depth1", arm),
+            ("decider_vs_random", arm),
+            ("vs_tuned_sft", arm),
+            ("adaptive_vs_fixed_at_equal_flops", arm),
+        },
+    )
+    every = [r["seed"] for r in study["second_pass"][arm] if r["continue_prob"]["min"] > 0.5]
+    assert "in two seeds (d̄ 2.00)" in para and len(every) == 2
+    flops = {
+        a: sum(s["flops_per_token"] for s in v["per_seed"]) / len(v["per_seed"])
+        for a, v in study["testing"]["arms"].items()
+    }
+    assert f"{flops[arm] / flops['sft']:.2f}× its FLOPs" in para
+    diag = json.loads(
+        (REPO / "docs" / "studies" / "two_stage" / "residual-lr0.001-s1.json").read_text(encoding="utf-8")
+    )
+    assert diag["forced_depth_accuracy"]["2"] == 0.0 and "still scores 0% (one seed)" in para

@@ -195,7 +195,7 @@ def test_the_committed_studies_that_extend_main_resolve_to_its_arms():
     """The committed studies written as changes to another keep its settings: full is main with ANIRA-E, Ouro, test
     seeds 1-5 and 2 threads; main_tuned_twice is full tuned with seeds 0 and 6; core_eight_seeds is that with sft,
     fixed and tah2 only and eight test seeds; core_threads1 is main under its own name (the same
-    trials); two_stage is main with TaH2 in two stages."""
+    trials); two_stage is main with TaH2 in two stages; exit_readout is main with TaH2 read out at the exit depth."""
     from pathlib import Path
 
     studies = Path(__file__).resolve().parents[2] / "recipes" / "studies"
@@ -219,3 +219,9 @@ def test_the_committed_studies_that_extend_main_resolve_to_its_arms():
     assert two.arms[:3] == main.arms and (two.test_seeds, two.threads) == (main.test_seeds, main.threads)
     staged = dict(two.arm("tah2_two_stage").flags)
     assert staged == {**dict(main.arm("tah2").flags), "depth_warmup_steps": 80, "decider_phase_from": 80}
+    # exit_readout is main with one more arm: the tah2 arm's flags, the residual updater and no mixture
+    exit_ = load_study(studies / "exit_readout.yaml")
+    assert exit_.arms[:3] == main.arms and (exit_.test_seeds, exit_.threads) == (main.test_seeds, main.threads)
+    assert exit_.test_eval == main.test_eval and exit_.tune_eval == main.tune_eval
+    read = dict(exit_.arm("tah2_exit_readout").flags)
+    assert read == {**dict(main.arm("tah2").flags), "updater": "residual", "mixture_output": False}

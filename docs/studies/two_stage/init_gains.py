@@ -6,8 +6,10 @@ training rows, every answer token's next-token loss with every token forced to d
 own readout, as TaH2's lookahead labels read them): the gain of one more iteration is ℓ¹ − ℓ². Prints JSON.
 
     python docs/studies/two_stage/init_gains.py            # from the repository root; ~1 min on 2 cores
+    python docs/studies/two_stage/init_gains.py --updater residual   # the identity-at-init updater instead
 """
 
+import argparse
 import json
 import sys
 
@@ -20,7 +22,7 @@ from retrofit.hub.loading import load_model
 ROWS = 60  # the first training rows (levels 4-6 interleaved as the generator gives them)
 
 
-def main(seeds=(1, 2, 3)) -> dict:
+def main(seeds=(1, 2, 3), updater: str = "release") -> dict:
     torch.set_num_threads(2)
     rows = build_splits(
         "clrs_sorting",
@@ -32,7 +34,7 @@ def main(seeds=(1, 2, 3)) -> dict:
         interp_levels=[],
         n_valid=60,
     )["train"].select(range(ROWS))
-    out = {"rows": ROWS, "seeds": {}}
+    out = {"rows": ROWS, "updater": updater, "seeds": {}}
     for seed in seeds:
         torch.manual_seed(seed)
         base, tok = load_model("smollm2")
@@ -41,7 +43,7 @@ def main(seeds=(1, 2, 3)) -> dict:
             core=6,
             max_depth=2,
             method="tah2",
-            updater="release",
+            updater=updater,
             decider_state="final_norm",
             decider_width_rule="release",
             padding_stops=True,
@@ -71,5 +73,7 @@ def main(seeds=(1, 2, 3)) -> dict:
 
 
 if __name__ == "__main__":
-    json.dump(main(), sys.stdout, indent=1)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--updater", choices=retrofit.model.config.UPDATERS, default="release", help="the loop's updater")
+    json.dump(main(updater=ap.parse_args().updater), sys.stdout, indent=1)
     print()
