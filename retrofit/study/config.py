@@ -15,10 +15,12 @@
       fixed: {kind: fixed}                      # the looped model at max depth for every token
       tah2: {kind: looped}                      # the preset's own method
       anira_e: {kind: looped, preset: ../configs/anira_llama.yaml, enabled: false}
+      tah2_two_stage: {like: tah2, set: {depth_warmup_steps: 80}}   # the tah2 arm with one more flag
 
 A file may start from another with ``extends: main.yaml`` and say only what changes (``load_study``).
-An arm may also carry ``set`` (its own recipe flags), ``learning_rates`` (its own grid, of the common size) and
-``description``. ``eval`` maps ``EvalOptions`` fields; the phases' defaults are ``TUNE_EVAL`` / ``TEST_EVAL``.
+An arm may also carry ``set`` (its own recipe flags), ``learning_rates`` (its own grid, of the common size),
+``description``, and ``like: OTHER``: start from that arm's kind, preset, flags and grid (``_like``). ``eval``
+maps ``EvalOptions`` fields; the phases' defaults are ``TUNE_EVAL`` / ``TEST_EVAL``.
 Errors name the key and what is allowed; fewer than 3 learning rates or test seeds only warn (``warnings``, shown
 in study.md): a tiny study is a smoke test, not a result. ``trial.check_arms`` then parses every arm's flags with
 the recipes' parser and checks the arms share the data and the budget (``SHARED``), before anything trains.
@@ -96,7 +98,9 @@ _TOP = (
     "out",
     "extends",
 )
-_ARM = ("kind", "preset", "set", "learning_rates", "enabled", "description")
+_ARM = ("kind", "preset", "set", "learning_rates", "enabled", "description", "like")
+#: what ``like: ARM`` copies from the named arm (``enabled`` and ``description`` are each arm's own)
+_INHERITED = ("kind", "preset", "set", "learning_rates")
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,38 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _like(arms: dict) -> dict:
+    """The arms with each ``like: OTHER`` resolved: the other arm's ``kind``, ``preset``, ``set`` and
+    ``learning_rates`` (``_INHERITED``) under the arm's own keys, its ``set`` merged flag by flag, so an arm that is
+    "the tah2 arm with two flags changed" says only those two and follows the tah2 arm if that changes. The other arm
+    may itself say ``like`` (resolved first) and may be disabled; ``enabled`` and ``description`` are not copied."""
+    done: dict[str, dict] = {}
+
+    def resolve(name: str, chain: tuple[str, ...]) -> dict:
+        if name in done:
+            return done[name]
+        spec = _mapping(arms[name], f"arms.{name}")
+        other = spec.get("like")
+        if other is None:
+            done[name] = spec
+            return spec
+        if not isinstance(other, str) or other not in arms:
+            raise RetrofitUserError(
+                f"arms.{name}.like must name another arm of the study ({', '.join(a for a in arms if a != name)}), "
+                f"got {other!r}"
+            )
+        if other in (*chain, name):
+            raise RetrofitUserError(f"arms.{(*chain, name)[0]}.like: {' -> '.join((*chain, name, other))} is a cycle")
+        base = resolve(other, (*chain, name))
+        out = {k: base[k] for k in _INHERITED if k in base}
+        out["set"] = {**_mapping(base.get("set"), f"arms.{other}.set"), **_mapping(spec.get("set"), f"arms.{name}.set")}
+        out.update({k: v for k, v in spec.items() if k not in ("like", "set")})
+        done[name] = out
+        return out
+
+    return {name: resolve(name, ()) for name in arms}
+
+
 def _absolute(raw: dict, here: Path) -> dict:
     """``raw`` with its file-relative paths (``preset``, each arm's ``preset``, ``out``) made absolute, so that a
     file extending it from another folder reads them as their own file meant them."""
@@ -309,11 +345,11 @@ def load_study(path: str | Path) -> StudyConfig:
     _keys(testing, ("seeds", "eval"), "testing")
     grid = _lrs(tuning["learning_rates"], "tuning.learning_rates") if "learning_rates" in tuning else None
     arms_raw = _mapping(raw.get("arms"), "arms")
-    arms = []
     for name, spec in arms_raw.items():
+        _keys(_mapping(spec, f"arms.{name}"), _ARM, f"arms.{name}")
+    arms = []
+    for name, spec in _like(arms_raw).items():
         where = f"arms.{name}"
-        spec = _mapping(spec, where)
-        _keys(spec, _ARM, where)
         if spec.get("kind") not in ARM_KINDS:
             raise RetrofitUserError(f"{where}.kind must be one of {', '.join(ARM_KINDS)}, got {spec.get('kind')!r}")
         if not spec.get("enabled", True):

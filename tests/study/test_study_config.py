@@ -191,6 +191,56 @@ def test_a_study_that_extends_another_is_the_copy_it_replaces(tmp_path):
         load_study(child)
 
 
+def test_an_arm_like_another_is_that_arm_with_its_changes(tmp_path):
+    """``like: OTHER`` (``config._like``): the arm is the other arm's kind, preset, flags and grid with its own keys
+    over them (``set`` merged flag by flag, null a flag's value), its own description and enabled; the other arm may
+    be disabled or itself ``like`` a third, follows an extending file's change of the other arm, and an unknown or
+    cyclic ``like`` is one clear error."""
+    from retrofit.study.trial import Trial, trial_key
+
+    study = STUDY.replace(
+        "  tah2: {{kind: looped}}\n",
+        "  tah2: {{kind: looped, set: {{decider_top_k: 4, heads_lr_scale: 2}}, learning_rates: [2.0e-3, 4.0e-3],"
+        " enabled: false, description: the base arm}}\n"
+        "  late: {{like: tah2, set: {{decider_top_k: null, depth_warmup_steps: 1}}}}\n"
+        "  later: {{like: late, set: {{decider_phase_from: 2}}, description: two stages}}\n",
+    )
+    got = _load(tmp_path / "like", study)
+    copy = STUDY.replace(
+        "  tah2: {{kind: looped}}\n",
+        "  late: {{kind: looped, set: {{decider_top_k: null, heads_lr_scale: 2, depth_warmup_steps: 1}},"
+        " learning_rates: [2.0e-3, 4.0e-3]}}\n"
+        "  later: {{kind: looped, set: {{decider_top_k: null, heads_lr_scale: 2, depth_warmup_steps: 1,"
+        " decider_phase_from: 2}}, learning_rates: [2.0e-3, 4.0e-3], description: two stages}}\n",
+    )
+    want = _load(tmp_path / "copy", copy)
+    assert [a.name for a in got.arms] == ["sft", "fixed", "late", "later"]  # tah2 stays off: enabled is not copied
+    assert got.arms == tuple(dataclasses.replace(a, preset=b.preset) for a, b in zip(want.arms, got.arms))
+    assert dict(got.arm("later").flags)["decider_top_k"] is None and got.arm("late").description == ""
+    assert got.arm("late").learning_rates == (2e-3, 4e-3) != got.arm("sft").learning_rates == (1e-3, 3e-3)
+    t = Trial("test", "later", 4e-3, 2)
+    assert trial_key(got, t) == trial_key(want, t)
+
+    # an extending file that changes the base arm changes the arms like it
+    child = tmp_path / "like" / "child.yaml"
+    child.write_text("extends: tiny.yaml\narms:\n  tah2: {set: {heads_lr_scale: 3}}\n")
+    ext = load_study(child)
+    assert dict(ext.arm("later").flags)["heads_lr_scale"] == 3 and dict(ext.arm("later").flags)["decider_top_k"] is None
+
+    for old, new, match in [
+        (
+            "like: tah2, set",
+            "like: ghost, set",
+            r"arms.late.like must name another arm of the study \(sft, fixed, tah2",
+        ),
+        ("like: tah2, set", "like: later, set", r"arms.late.like: late -> later -> late is a cycle"),
+        ("like: late, set", "like: later, set", r"arms.later.like: later -> later is a cycle"),
+        ("{{like: late,", "{{like: late, lr: 3,", r"arms.later: unknown key\(s\) lr; allowed: kind"),
+    ]:
+        with pytest.raises(RetrofitUserError, match=match):
+            load_study(write_study(tmp_path / "bad", study=study.replace(old, new)))
+
+
 def test_the_committed_studies_that_extend_main_resolve_to_its_arms():
     """The committed studies written as changes to another keep its settings: full is main with ANIRA-E, Ouro, test
     seeds 1-5 and 2 threads; main_tuned_twice is full tuned with seeds 0 and 6; core_eight_seeds is that with sft,
