@@ -30,7 +30,7 @@ def test_readme_tables_are_the_committed_studies(name, markers):
         assert c["effect"].split(",")[0] in want
 
 
-@pytest.mark.parametrize("name", ["main", "full", "two_stage", "exit_readout"])
+@pytest.mark.parametrize("name", ["main", "full", "two_stage", "exit_readout", "price"])
 def test_the_committed_study_is_what_its_file_gives_from_its_trials(name, tmp_path):
     """``docs/studies/<name>/study.json`` is what ``retrofit study recipes/studies/<name>.yaml --finished-only``
     writes from the committed result JSONs alone: an edit of the study file that changes a trial's key (its trials
@@ -189,3 +189,36 @@ def test_readme_exit_readout_paragraph_is_the_committed_study():
         (REPO / "docs" / "studies" / "two_stage" / "residual-lr0.001-s1.json").read_text(encoding="utf-8")
     )
     assert diag["forced_depth_accuracy"]["2"] == 0.0 and "still scores 0% (one seed)" in para
+
+
+def test_readme_price_paragraph_is_the_committed_study():
+    """README's paragraph on TaH2 priced higher quotes docs/studies/price/study.json: its one met claim (depth follows
+    the SFT control's token loss), its effects and d̄, its FLOPs against SFT, and the sweep's collapse at ρ 0.5."""
+    para = _paragraph("**TaH2 with the second pass priced higher.**")
+    study = json.loads((REPO / "docs" / "studies" / "price" / "study.json").read_text(encoding="utf-8"))
+    arm = "tah2_price"
+    assert [k for k, c in study["claims"].items() if c["met"]] == [f"depth_follows_difficulty:{arm}"]
+    _quotes(
+        para,
+        study,
+        {
+            ("decider_vs_oracle", arm),
+            ("decider_vs_random", arm),
+            ("vs_tuned_sft", arm),
+            ("adaptive_vs_fixed_at_equal_flops", arm),
+        },
+    )
+    rho = next(e for e in study["effects"] if (e["effect"], e["a"]) == ("depth_vs_token_loss", arm))
+    lo, hi = rho["across_seeds"]["ci"]
+    assert f"ρ {rho['across_seeds']['estimate']:+.3f} [{lo:+.2f}, {hi:+.2f}]" in para
+    per = study["testing"]["arms"]
+    depth = sum(s["mean_depth"] for s in per[arm]["per_seed"]) / 3
+    assert f"d̄ {depth:.2f}" in para
+    flops = {a: sum(s["flops_per_token"] for s in v["per_seed"]) / len(v["per_seed"]) for a, v in per.items()}
+    assert f"{flops[arm] / flops['sft']:.2f}× its FLOPs" in para
+    collapse = json.loads((REPO / "docs" / "studies" / "price" / "rho0.5-lr0.0005-s2.json").read_text(encoding="utf-8"))
+    assert (
+        collapse["forced_depth_accuracy"]["2"] == 0.0
+        and collapse["mean_depth"] == 1.0
+        and "at 0.5 TaH2 collapses as released" in para
+    )

@@ -245,7 +245,8 @@ def test_the_committed_studies_that_extend_main_resolve_to_its_arms():
     """The committed studies written as changes to another keep its settings: full is main with ANIRA-E, Ouro, test
     seeds 1-5 and 2 threads; main_tuned_twice is full tuned with seeds 0 and 6; core_eight_seeds is that with sft,
     fixed and tah2 only and eight test seeds; core_threads1 is main under its own name (the same
-    trials); two_stage is main with TaH2 in two stages; exit_readout is main with TaH2 read out at the exit depth."""
+    trials); two_stage is main with TaH2 in two stages; exit_readout is main with TaH2 read out at the exit depth; price
+    is exit_readout with that arm at rho 0.9."""
     from pathlib import Path
 
     studies = Path(__file__).resolve().parents[2] / "recipes" / "studies"
@@ -275,3 +276,7 @@ def test_the_committed_studies_that_extend_main_resolve_to_its_arms():
     assert exit_.test_eval == main.test_eval and exit_.tune_eval == main.tune_eval
     read = dict(exit_.arm("tah2_exit_readout").flags)
     assert read == {**dict(main.arm("tah2").flags), "updater": "residual", "mixture_output": False}
+    # price is exit_readout with one more arm: its TaH2 arm at rho 0.9
+    price = load_study(studies / "price.yaml")
+    assert price.arms[:4] == exit_.arms and (price.test_seeds, price.test_eval) == (exit_.test_seeds, exit_.test_eval)
+    assert dict(price.arm("tah2_price").flags) == {**read, "rho": 0.9}

@@ -1,7 +1,7 @@
-"""Diagnostic: the default study's tah2 arm with some options changed, at the arm's chosen rate 1e-3, test seed 1, on
-2 threads. Does the second pass train? (docs/studies/two_stage/README.md)
+"""Diagnostic: one test trial of a study arm with some options changed; by default the default study's tah2 arm at its
+chosen rate 1e-3, test seed 1, on 2 threads. Does the second pass train? (docs/studies/two_stage/README.md)
 
-Run from the repository root (each ~6-10 min on 2 cores; writes outputs/tah2_NAME/ and OUT/NAME-lr0.001-s1.json,
+Run from the repository root (each ~6-10 min on 2 cores; writes outputs/ARM_NAME/ and OUT/NAME-lrLR-sSEED.json,
 OUT = docs/studies/two_stage unless --out says otherwise)::
 
     python docs/studies/two_stage/variant.py heads_rate heads_lr_scale=1.0   # the release's single learning rate
@@ -10,7 +10,11 @@ OUT = docs/studies/two_stage unless --out says otherwise)::
     python docs/studies/two_stage/variant.py --out docs/studies/exit_readout exit_two_stage updater=residual \
         mixture_output=false depth_warmup_steps=80 decider_phase_from=80     # docs/studies/exit_readout/README.md
 
-Each KEY=VALUE replaces (or adds) one of the arm's recipe options; VALUE is read as YAML.
+    python docs/studies/two_stage/variant.py --study recipes/studies/exit_readout.yaml --arm tah2_exit_readout \
+        --lr 5e-4 --seed 2 --threads 1 --out docs/studies/price rho0.5 rho=0.5    # docs/studies/price/README.md
+
+Each KEY=VALUE replaces (or adds) one of the arm's recipe options; VALUE is read as YAML. With ``--threads 1`` and
+no change the trial is the study's own (the same key), so the study's trial is the variant's reference.
 """
 
 import argparse
@@ -27,8 +31,13 @@ from retrofit.study.trial import Trial, run_trial
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("name", help="the diagnostic's name: outputs/tah2_NAME and OUT/NAME-lr0.001-s1.json")
+    ap.add_argument("name", help="the diagnostic's name: outputs/ARM_NAME and OUT/NAME-lrLR-sSEED.json")
     ap.add_argument("--out", type=Path, default=Path("docs/studies/two_stage"), help="the folder of the result JSON")
+    ap.add_argument("--study", type=Path, default=Path("recipes/studies/main.yaml"), help="the study file of the arm")
+    ap.add_argument("--arm", default="tah2", help="the arm whose options change (default tah2)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="the learning rate (default 1e-3, tah2's chosen rate)")
+    ap.add_argument("--seed", type=int, default=1, help="the trial's seed (default 1, the first test seed)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2; the studies' trials ran 1)")
     ap.add_argument("set", nargs="+", metavar="KEY=VALUE", help="a tah2 arm option to replace or add")
     args = ap.parse_args(argv)
     changes = {}
@@ -37,19 +46,22 @@ def main(argv=None) -> None:
         if not sep or not key:
             ap.error(f"{item!r} is not KEY=VALUE")
         changes[key] = yaml.safe_load(value)
-    cfg = load_study(Path("recipes/studies/main.yaml"))
+    cfg = load_study(args.study)
+    cfg.arm(args.arm)  # an unknown arm: one error naming the study's arms
 
     def changed(arm):
-        if arm.name != "tah2":
+        if arm.name != args.arm:
             return arm
         kept = tuple((k, v) for k, v in arm.flags if k not in changes)
         return dataclasses.replace(arm, flags=(*kept, *changes.items()))
 
-    cfg = dataclasses.replace(cfg, arms=tuple(changed(a) for a in cfg.arms), threads=2)
-    r = run_trial(cfg, Trial("test", "tah2", 1e-3, 1), Path(f"outputs/tah2_{args.name}/lr0.001-s1"), progress=False)
-    (args.out / f"{args.name}-lr0.001-s1.json").write_text(json.dumps(r, indent=1) + "\n")
+    cfg = dataclasses.replace(cfg, arms=tuple(changed(a) for a in cfg.arms), threads=args.threads)
+    trial = Trial("test", args.arm, args.lr, args.seed)
+    tag = f"lr{args.lr:.3g}-s{args.seed}"
+    r = run_trial(cfg, trial, Path(f"outputs/{args.arm}_{args.name}/{tag}"), progress=False)
+    (args.out / f"{args.name}-{tag}.json").write_text(json.dumps(r, indent=1) + "\n")
     print(json.dumps({k: r[k] for k in ("accuracy", "mean_depth", "forced_depth_accuracy")}))
-    print(json.dumps(second_pass({"tah2": {1: r}}, [1])["tah2"][0]))
+    print(json.dumps(second_pass({args.arm: {args.seed: r}}, [args.seed])[args.arm][0]))
 
 
 if __name__ == "__main__":
