@@ -15,11 +15,16 @@ from retrofit.study.report import README_BEGIN, README_END, _ci, _pts, readme_ma
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _study(name: str) -> dict:
+    """``docs/studies/<name>/study.json``."""
+    return json.loads((REPO / "docs" / "studies" / name / "study.json").read_text(encoding="utf-8"))
+
+
 @pytest.mark.parametrize("name, markers", [("main", (README_BEGIN, README_END)), ("full", readme_markers("full"))])
 def test_readme_tables_are_the_committed_studies(name, markers):
     text = (REPO / "README.md").read_text(encoding="utf-8")
     i, j = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
-    study = json.loads((REPO / "docs" / "studies" / name / "study.json").read_text(encoding="utf-8"))
+    study = _study(name)
     assert study["name"] == name
     want = readme_markdown(study, f"recipes/studies/{name}.yaml", f"docs/studies/{name}")
     assert text[i:j].strip("\n") == want, (
@@ -41,7 +46,7 @@ def test_the_committed_study_is_what_its_file_gives_from_its_trials(name, tmp_pa
 
     shutil.copytree(REPO / "docs" / "studies" / name / "trials", tmp_path / "trials")
     got = report_finished(REPO / "recipes" / "studies" / f"{name}.yaml", tmp_path)
-    want = json.loads((REPO / "docs" / "studies" / name / "study.json").read_text(encoding="utf-8"))
+    want = _study(name)
     assert not got.get("warnings") and json.loads((tmp_path / "study.json").read_text(encoding="utf-8")) == want
 
 
@@ -66,7 +71,7 @@ def test_readme_default_study_paragraph_is_the_committed_default_study():
     """README's reading of the default study quotes docs/studies/main/study.json: the effects, no claim met, one CPU,
     and each arm's held-out accuracy per seed."""
     para = _paragraph("**What it shows.** *No claim is met.*")
-    study = json.loads((REPO / "docs" / "studies" / "main" / "study.json").read_text(encoding="utf-8"))
+    study = _study("main")
     assert not any(c["met"] for c in study["claims"].values())
     assert study["environment"]["cpus"] == ["Intel(R) Xeon(R) Processor"]
     _quotes(
@@ -90,10 +95,26 @@ def _figure(across: dict) -> str:
     return f"{_pts(across['estimate'])} {_ci(across['ci'])}".replace("-", "−")
 
 
+def _rho_quote(study: dict, arm: str) -> str:
+    """The across-seed Spearman of ``arm``'s token depth against the SFT control's token loss, as README quotes it."""
+    rho = next(e for e in study["effects"] if (e["effect"], e["a"]) == ("depth_vs_token_loss", arm))
+    lo, hi = rho["across_seeds"]["ci"]
+    return f"ρ {rho['across_seeds']['estimate']:+.3f} [{lo:+.2f}, {hi:+.2f}]"
+
+
+def _flops_vs_sft(study: dict, arm: str) -> str:
+    """``arm``'s mean FLOPs per answer token over the SFT control's, as README quotes it."""
+    flops = {
+        a: sum(s["flops_per_token"] for s in v["per_seed"]) / len(v["per_seed"])
+        for a, v in study["testing"]["arms"].items()
+    }
+    return f"{flops[arm] / flops['sft']:.2f}× its FLOPs"
+
+
 def test_readme_one_cpu_paragraph_is_the_committed_core_study():
     """README's paragraph on the one-CPU, eight-seed core study quotes docs/studies/core_eight_seeds/study.json."""
     para = _paragraph("**On one CPU with eight seeds.**")
-    study = json.loads((REPO / "docs" / "studies" / "core_eight_seeds" / "study.json").read_text(encoding="utf-8"))
+    study = _study("core_eight_seeds")
     assert study["testing"]["seeds"] == [1, 2, 3, 4, 5, 7, 8, 9]
     cpus = {p["env"]["cpu"] for p in _trials(study)}
     assert cpus == {"AMD EPYC"}, f"every test trial of the core study runs on one CPU, got {cpus}"
@@ -132,7 +153,7 @@ def test_readme_two_stage_paragraph_is_the_committed_studies():
     para = _paragraph("**Why the frontier is flat, and TaH2 in two stages.**")
     distinct = {}
     for name in ("main", "full", "core_eight_seeds"):
-        study = json.loads((REPO / "docs" / "studies" / name / "study.json").read_text(encoding="utf-8"))
+        study = _study(name)
         for row in study["second_pass"]["tah2"]:
             distinct[json.dumps(row, sort_keys=True)] = row
     rows = list(distinct.values())
@@ -144,7 +165,7 @@ def test_readme_two_stage_paragraph_is_the_committed_studies():
     l2 = [v["loss_depth2"] for v in init["seeds"].values()]
     assert len(l1) == 1 and f"{min(l2):.1f}–{max(l2):.1f} nats against depth 1's {l1.pop():.2f}" in para
 
-    study = json.loads((REPO / "docs" / "studies" / "two_stage" / "study.json").read_text(encoding="utf-8"))
+    study = _study("two_stage")
     assert study["claims"]["depth_follows_difficulty:tah2_two_stage"]["met"]
     assert not any(c["met"] for k, c in study["claims"].items() if k != "depth_follows_difficulty:tah2_two_stage")
     _quotes(
@@ -156,16 +177,14 @@ def test_readme_two_stage_paragraph_is_the_committed_studies():
             ("vs_tuned_sft", "tah2_two_stage"),
         },
     )
-    rho = next(e for e in study["effects"] if (e["effect"], e["a"]) == ("depth_vs_token_loss", "tah2_two_stage"))
-    lo, hi = rho["across_seeds"]["ci"]
-    assert f"ρ {rho['across_seeds']['estimate']:+.3f} [{lo:+.2f}, {hi:+.2f}]" in para
+    assert _rho_quote(study, "tah2_two_stage") in para
 
 
 def test_readme_exit_readout_paragraph_is_the_committed_study():
     """README's paragraph on TaH2 read out at its exit depth quotes docs/studies/exit_readout/study.json (no claim
     met, its effects, the seeds that continue every token) and the residual-updater diagnostic's second pass."""
     para = _paragraph("**TaH2 read out at its exit depth.**")
-    study = json.loads((REPO / "docs" / "studies" / "exit_readout" / "study.json").read_text(encoding="utf-8"))
+    study = _study("exit_readout")
     assert not any(c["met"] for c in study["claims"].values())
     arm = "tah2_exit_readout"
     _quotes(
@@ -180,11 +199,7 @@ def test_readme_exit_readout_paragraph_is_the_committed_study():
     )
     every = [r["seed"] for r in study["second_pass"][arm] if r["continue_prob"]["min"] > 0.5]
     assert "in two seeds (d̄ 2.00)" in para and len(every) == 2
-    flops = {
-        a: sum(s["flops_per_token"] for s in v["per_seed"]) / len(v["per_seed"])
-        for a, v in study["testing"]["arms"].items()
-    }
-    assert f"{flops[arm] / flops['sft']:.2f}× its FLOPs" in para
+    assert _flops_vs_sft(study, arm) in para
     diag = json.loads(
         (REPO / "docs" / "studies" / "two_stage" / "residual-lr0.001-s1.json").read_text(encoding="utf-8")
     )
@@ -195,7 +210,7 @@ def test_readme_price_paragraph_is_the_committed_study():
     """README's paragraph on TaH2 priced higher quotes docs/studies/price/study.json: its one met claim (depth follows
     the SFT control's token loss), its effects and d̄, its FLOPs against SFT, and the sweep's collapse at ρ 0.5."""
     para = _paragraph("**TaH2 with the second pass priced higher.**")
-    study = json.loads((REPO / "docs" / "studies" / "price" / "study.json").read_text(encoding="utf-8"))
+    study = _study("price")
     arm = "tah2_price"
     assert [k for k, c in study["claims"].items() if c["met"]] == [f"depth_follows_difficulty:{arm}"]
     _quotes(
@@ -208,14 +223,11 @@ def test_readme_price_paragraph_is_the_committed_study():
             ("adaptive_vs_fixed_at_equal_flops", arm),
         },
     )
-    rho = next(e for e in study["effects"] if (e["effect"], e["a"]) == ("depth_vs_token_loss", arm))
-    lo, hi = rho["across_seeds"]["ci"]
-    assert f"ρ {rho['across_seeds']['estimate']:+.3f} [{lo:+.2f}, {hi:+.2f}]" in para
+    assert _rho_quote(study, arm) in para
     per = study["testing"]["arms"]
     depth = sum(s["mean_depth"] for s in per[arm]["per_seed"]) / 3
     assert f"d̄ {depth:.2f}" in para
-    flops = {a: sum(s["flops_per_token"] for s in v["per_seed"]) / len(v["per_seed"]) for a, v in per.items()}
-    assert f"{flops[arm] / flops['sft']:.2f}× its FLOPs" in para
+    assert _flops_vs_sft(study, arm) in para
     collapse = json.loads((REPO / "docs" / "studies" / "price" / "rho0.5-lr0.0005-s2.json").read_text(encoding="utf-8"))
     assert (
         collapse["forced_depth_accuracy"]["2"] == 0.0

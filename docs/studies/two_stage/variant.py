@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=1e-3, help="the learning rate (default 1e-3, tah2's chosen rate)")
     ap.add_argument("--seed", type=int, default=1, help="the trial's seed (default 1, the first test seed)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2; the studies' trials ran 1)")
-    ap.add_argument("set", nargs="+", metavar="KEY=VALUE", help="a tah2 arm option to replace or add")
+    ap.add_argument("set", nargs="+", metavar="KEY=VALUE", help="an option of --arm to replace or add")
     args = ap.parse_args(argv)
     changes = {}
     for item in args.set:
@@ -52,12 +52,11 @@ def main(argv=None) -> None:
     def changed(arm):
         if arm.name != args.arm:
             return arm
-        kept = tuple((k, v) for k, v in arm.flags if k not in changes)
-        return dataclasses.replace(arm, flags=(*kept, *changes.items()))
+        return dataclasses.replace(arm, flags=tuple({**dict(arm.flags), **changes}.items()))
 
     cfg = dataclasses.replace(cfg, arms=tuple(changed(a) for a in cfg.arms), threads=args.threads)
     trial = Trial("test", args.arm, args.lr, args.seed)
-    tag = f"lr{args.lr:.3g}-s{args.seed}"
+    tag = trial.id.removeprefix(f"test-{args.arm}-")  # lrLR-sSEED, as the study names the trial
     r = run_trial(cfg, trial, Path(f"outputs/{args.arm}_{args.name}/{tag}"), progress=False)
     (args.out / f"{args.name}-{tag}.json").write_text(json.dumps(r, indent=1) + "\n")
     print(json.dumps({k: r[k] for k in ("accuracy", "mean_depth", "forced_depth_accuracy")}))
