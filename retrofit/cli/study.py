@@ -45,7 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="1,2,3",
         help="Only these of the config's test seeds (comma-separated); like --arms, the rest can run later.",
     )
-    p.add_argument("--dry-run", action="store_true", help="Print which trials are done and which would run; run none.")
+    p.add_argument(
+        "--no-reuse",
+        action="store_true",
+        help="Take no finished trial from the study folders the config lists under reuse: run those trials into --out "
+        "as well (without it, a trial there with the same key counts as done; study.json lists which).",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Print which trials are done (done in NAME: found in that reuse folder) and which would run; run none.",
+    )
     p.add_argument(
         "--finished-only",
         action="store_true",
@@ -87,7 +97,7 @@ def _comma_list(cast, what: str):
 def run(args: argparse.Namespace) -> int:
     from ..study.runner import plan, report_finished, run_study
 
-    part = {"arms": args.arms, "seeds": args.seeds}
+    part = {"arms": args.arms, "seeds": args.seeds, "reuse": not args.no_reuse}
     if args.dry_run:
         for trial, state in plan(args.config, args.out, **part):
             print(f"{state:>13}  {trial}")

@@ -17,7 +17,9 @@
       anira_e: {kind: looped, preset: ../configs/anira_llama.yaml, enabled: false}
       tah2_two_stage: {like: tah2, set: {depth_warmup_steps: 80}}   # the tah2 arm with one more flag
 
-A file may start from another with ``extends: main.yaml`` and say only what changes (``load_study``).
+A file may start from another with ``extends: main.yaml`` and say only what changes (``load_study``), and may
+``reuse: [../../docs/studies/main]``: another study's folders whose finished trials count here when a trial has the
+same key there (``runner.Study.result``; nothing is copied, ``--no-reuse`` runs them anew).
 An arm may also carry ``set`` (its own recipe flags), ``learning_rates`` (its own grid, of the common size),
 ``description``, and ``like: OTHER``: start from that arm's kind, preset, flags and grid (``_like``). ``eval``
 maps ``EvalOptions`` fields; the phases' defaults are ``TUNE_EVAL`` / ``TEST_EVAL``.
@@ -97,6 +99,7 @@ _TOP = (
     "arms",
     "out",
     "extends",
+    "reuse",
 )
 _ARM = ("kind", "preset", "set", "learning_rates", "enabled", "description", "like")
 #: what ``like: ARM`` copies from the named arm (``enabled`` and ``description`` are each arm's own)
@@ -139,6 +142,7 @@ class StudyConfig:
     keep_models: bool = False
     description: str = ""
     out: Path | None = None
+    reuse: tuple[Path, ...] = ()
     warnings: tuple[str, ...] = ()
 
     @property
@@ -276,12 +280,14 @@ def _like(arms: dict) -> dict:
 
 
 def _absolute(raw: dict, here: Path) -> dict:
-    """``raw`` with its file-relative paths (``preset``, each arm's ``preset``, ``out``) made absolute, so that a
-    file extending it from another folder reads them as their own file meant them."""
+    """``raw`` with its file-relative paths (``preset``, each arm's ``preset``, ``out``, each ``reuse`` folder) made
+    absolute, so that a file extending it from another folder reads them as their own file meant them."""
     raw = dict(raw)
     for k in ("preset", "out"):
         if isinstance(raw.get(k), str):
             raw[k] = str((here / raw[k]).resolve())
+    if isinstance(raw.get("reuse"), list):
+        raw["reuse"] = [str((here / p).resolve()) if isinstance(p, str) else p for p in raw["reuse"]]
     if isinstance(raw.get("arms"), dict):
         arms = {}
         for name, spec in raw["arms"].items():
@@ -393,6 +399,12 @@ def load_study(path: str | Path) -> StudyConfig:
         raise RetrofitUserError(f"threads must be a positive integer, got {threads!r}")
     if not isinstance(raw.get("name", path.stem), str):
         raise RetrofitUserError("name must be a string")
+    reuse = raw.get("reuse") or []
+    if not isinstance(reuse, list) or not all(isinstance(p, str) and p for p in reuse):
+        raise RetrofitUserError(
+            f"reuse must be a list of study folders (paths relative to the file, e.g. [../../docs/studies/main]), "
+            f"got {raw.get('reuse')!r}"
+        )
     return StudyConfig(
         path=path,
         name=raw.get("name", path.stem),
@@ -405,6 +417,7 @@ def load_study(path: str | Path) -> StudyConfig:
         keep_models=bool(raw.get("keep_models", False)),
         description=str(raw.get("description", "")),
         out=(here / raw["out"]).resolve() if raw.get("out") else None,
+        reuse=tuple(dict.fromkeys(Path(p) for p in reuse)),
         warnings=tuple(warnings),
     )
 

@@ -143,6 +143,9 @@ def study_markdown(study: dict[str, Any], timings: dict[str, Any]) -> str:
         f"{', '.join(map(str, te['seeds']))}. Every figure is in study.json.",
         "",
     ]
+    if study.get("reused"):
+        took = ", ".join(f"{len(ids)} from `{name}`" for name, ids in study["reused"].items())
+        out += [f"Trials this study reads from other study folders (its file's `reuse`; the same keys): {took}.", ""]
     for w in study.get("warnings") or []:
         out += [f"> **Warning:** {w}.", ""]
     out += ["## Claims", ""]

@@ -16,10 +16,17 @@ evaluation options, the thread count), is not run again; a folder without one is
 starts over; a result with another key means the config changed under it and stops the study with an error that
 names the trial (nothing is overwritten). The statistics are computed from the result JSONs after reading them
 back, also right after a trial ran, so a resumed and an uninterrupted study give the same ``study.json``.
+
+**Reusing another study's trials.** A study file's ``reuse: [FOLDER, ...]`` names other study folders: a trial this
+folder lacks counts as done when one of them (in the order listed) holds a result with the same id and key: a study
+that adds an arm to another runs that arm's trials only, and nothing is copied. A result there with another key is
+not this study's trial and is passed over. The trials a study took from elsewhere are listed in study.json
+(``reused``: folder name → trial ids); ``--no-reuse`` ignores the folders (and runs those trials into ``--out``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
@@ -53,23 +60,47 @@ class Study:
         ``run_trial`` (``_worker``); a ``concurrent.futures`` executor class instead (tests: ``ThreadPoolExecutor``)
         runs ``runner`` in it."""
         self.cfg, self.out, self.progress, self.runner, self.executor = cfg, Path(out), progress, runner, executor
+        here = self.out.resolve()
+        self.reuse = [p for p in cfg.reuse if p.resolve() != here]
+        for p in self.reuse:
+            if not (p / "trials").is_dir():
+                raise RetrofitUserError(
+                    f"reuse: {p} is not a study folder (it has no trials/ folder). Fix the path in {cfg.path.name} "
+                    "(relative to that file), or run with --no-reuse to run every trial into --out"
+                )
+        #: trial id -> the name of the ``reuse`` folder its result was read from
+        self.reused: dict[str, str] = {}
 
     def folder(self, t: Trial) -> Path:
         return self.out / "trials" / t.id
 
     def result(self, t: Trial) -> dict | None:
-        """The finished trial's result, or None; a result of other settings stops the study (module docstring)."""
+        """The finished trial's result, or None: this folder's, else a ``reuse`` folder's with the same key; a result
+        of other settings in this folder stops the study (module docstring)."""
+        want = trial_key(self.cfg, t)
         r = read_result(self.folder(t))
         if r is None:
+            for p in self.reuse:
+                r = read_result(p / "trials" / t.id)
+                if r is not None and r.get("key") == want:
+                    self.reused[t.id] = p.name
+                    return r
             return None
-        want = trial_key(self.cfg, t)
         if r.get("key") != want:
             raise RetrofitUserError(
                 f"{self.folder(t)} holds a result of other settings (key {r.get('key')} != {want}): the config or a "
                 "preset changed since it ran. Restore them, study into another --out, or delete that folder to run "
                 "the trial again"
             )
+        self.reused.pop(t.id, None)
         return r
+
+    def sources(self, results: dict[Trial, dict]) -> dict[str, list[str]]:
+        """study.json's ``reused``: for each ``reuse`` folder that gave some of ``results``, those trials' ids."""
+        out: dict[str, list[str]] = {}
+        for tid in sorted(t.id for t in results if t.id in self.reused):
+            out.setdefault(self.reused[tid], []).append(tid)
+        return out
 
     def run(self, trials: list[Trial], jobs: int, bar, unlock=None) -> dict[Trial, dict]:
         """Run the trials that are not done, ``jobs`` at a time (each its own process when > 1), the ready one
@@ -174,10 +205,12 @@ def default_out(cfg: StudyConfig) -> Path:
     return cfg.out or Path("outputs") / "studies" / cfg.name
 
 
-def _open(config, out, arms, seeds, progress: bool = False, runner=run_trial) -> Study:
+def _open(config, out, arms, seeds, progress: bool = False, runner=run_trial, reuse: bool = True) -> Study:
     """The study in ``config`` (the part ``arms`` / ``seeds`` selects), its arms checked, in ``out`` (default:
-    ``default_out``)."""
+    ``default_out``); ``reuse=False`` (``--no-reuse``) drops the config's ``reuse`` folders."""
     cfg = select(load_study(config), arms, seeds)
+    if not reuse:
+        cfg = dataclasses.replace(cfg, reuse=())
     check_arms(cfg)
     return Study(cfg, Path(out) if out is not None else default_out(cfg), progress, runner)
 
@@ -191,6 +224,7 @@ def run_study(
     *,
     arms: list[str] | None = None,
     seeds: list[int] | None = None,
+    reuse: bool = True,
 ) -> dict[str, Any]:
     """Run (or resume) the study in ``config`` into ``out`` (default: the config's ``out``, else
     ``outputs/studies/<name>``); write study.json, timings.json, study.md and study.png; return the study dict.
@@ -200,10 +234,11 @@ def run_study(
         runner: the trial runner (tests inject failures through it).
         arms, seeds: run and report only these arms and test seeds (``config.select``: a part of the study, whose
             trials the whole study later reuses).
+        reuse: False (``--no-reuse``): take no trial from the config's ``reuse`` folders (module docstring).
     """
     from tqdm.auto import tqdm
 
-    study = _open(config, out, arms, seeds, progress, runner)
+    study = _open(config, out, arms, seeds, progress, runner, reuse)
     cfg = study.cfg
     for w in cfg.warnings:
         logger.warning("%s: %s", cfg.path.name, w)
@@ -212,7 +247,7 @@ def run_study(
     n = sum(len(a.learning_rates) + len(cfg.test_seeds) for a in cfg.arms)
     with tqdm(total=n, desc=f"study {cfg.name}", unit="trial", disable=not progress, dynamic_ncols=True) as bar:
         results = study.run(tuning_trials(cfg), jobs, bar, tests_of_tuned_arms(cfg))
-    return write_study(cfg, study.out, A.choose(cfg, results), results)
+    return write_study(cfg, study.out, A.choose(cfg, results), results, study.sources(results))
 
 
 def report_finished(
@@ -221,14 +256,13 @@ def report_finished(
     *,
     arms: list[str] | None = None,
     seeds: list[int] | None = None,
+    reuse: bool = True,
 ) -> dict[str, Any]:
     """``--finished-only``: write study.json, study.md and the plot from the trials that have finished, running
     none: the tuning must be complete; the test seeds are those at which every arm has finished (trials run seed
     by seed, so a study stopped early has whole seeds). With fewer seeds than the config lists, study.json and
     study.md carry a warning that says so; rerunning the study without the flag runs the rest."""
-    import dataclasses
-
-    study = _open(config, out, arms, seeds)
+    study = _open(config, out, arms, seeds, reuse=reuse)
     cfg = study.cfg
     tuned = {t: study.result(t) for t in tuning_trials(cfg)}
     missing = [t.id for t, r in tuned.items() if r is None]
@@ -253,7 +287,7 @@ def report_finished(
             f"finished for every arm (seed(s) {', '.join(map(str, rest))} still to run); this report covers those"
         )
         cfg = dataclasses.replace(cfg, test_seeds=tuple(seeds), warnings=(*cfg.warnings, note))
-    return write_study(cfg, study.out, choices, results)
+    return write_study(cfg, study.out, choices, results, study.sources(results))
 
 
 def plan(
@@ -262,24 +296,35 @@ def plan(
     *,
     arms: list[str] | None = None,
     seeds: list[int] | None = None,
+    reuse: bool = True,
 ) -> list[tuple[str, str]]:
-    """``--dry-run``: ``[(trial id or phase, state)]``: which trials are done, which would run next."""
-    study = _open(config, out, arms, seeds)
+    """``--dry-run``: ``[(trial id or phase, state)]``: which trials are done (``done in NAME``: in that ``reuse``
+    folder), which would run next."""
+    study = _open(config, out, arms, seeds, reuse=reuse)
     cfg = study.cfg
+
+    def state(t: Trial) -> str:
+        if study.result(t) is None:
+            return "to run"
+        return f"done in {study.reused[t.id]}" if t.id in study.reused else "done"
+
     tuned = {t: study.result(t) for t in tuning_trials(cfg)}
-    rows = [(t.id, "done" if r else "to run") for t, r in tuned.items()]
+    rows = [(t.id, state(t)) for t in tuned]
     done = {t: r for t, r in tuned.items() if r}
     tests = {a.name: arm_tests(cfg, a, done) for a in cfg.arms}
     ready = sorted((t for ts in tests.values() if ts for t in ts), key=lambda t: order(cfg, t))
-    rows += [(t.id, "done" if study.result(t) else "to run") for t in ready]
+    rows += [(t.id, state(t)) for t in ready]
     rows += [
         (f"test-{arm} x {len(cfg.test_seeds)} seeds", "after its tuning") for arm, ts in tests.items() if ts is None
     ]
     return rows
 
 
-def write_study(cfg: StudyConfig, out: Path, choices: dict, results: dict[Trial, dict]) -> dict[str, Any]:
-    """study.json, timings.json, study.md and study.png from the trials' results (``analysis``)."""
+def write_study(
+    cfg: StudyConfig, out: Path, choices: dict, results: dict[Trial, dict], reused: dict[str, list[str]] | None = None
+) -> dict[str, Any]:
+    """study.json, timings.json, study.md and study.png from the trials' results (``analysis``); ``reused``: the
+    trials read from ``reuse`` folders (``Study.sources``), listed in study.json when there are any."""
     from ..hub.atomic_io import write_json_atomic
     from .report import plot_study, study_markdown
 
@@ -295,6 +340,7 @@ def write_study(cfg: StudyConfig, out: Path, choices: dict, results: dict[Trial,
         "description": cfg.description,
         "config": cfg.path.name,
         "warnings": list(cfg.warnings),
+        **({"reused": reused} if reused else {}),
         "environment": environment(results),
         "arms": {
             a.name: {

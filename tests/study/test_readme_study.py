@@ -35,11 +35,14 @@ def test_readme_tables_are_the_committed_studies(name, markers):
         assert c["effect"].split(",")[0] in want
 
 
-@pytest.mark.parametrize("name", ["main", "full", "two_stage", "exit_readout", "price"])
+@pytest.mark.parametrize(
+    "name", ["main", "full", "two_stage", "exit_readout", "price", "main_tuned_twice", "core_eight_seeds"]
+)
 def test_the_committed_study_is_what_its_file_gives_from_its_trials(name, tmp_path):
     """``docs/studies/<name>/study.json`` is what ``retrofit study recipes/studies/<name>.yaml --finished-only``
-    writes from the committed result JSONs alone: an edit of the study file that changes a trial's key (its trials
-    would no longer count), or a study.json not rebuilt after one, fails here."""
+    writes from the committed result JSONs alone (its own, and those of the folders its ``reuse`` names): an edit of
+    the study file that changes a trial's key (its trials would no longer count), a reused trial deleted from its
+    folder, or a study.json not rebuilt after one, fails here."""
     import shutil
 
     from retrofit.study.runner import report_finished
@@ -136,10 +139,15 @@ def test_readme_one_cpu_paragraph_is_the_committed_core_study():
 
 def _trials(study: dict, arm: str | None = None) -> list[dict]:
     """The result JSONs of a committed study's test trials at the chosen rates (of ``arm``, or of every arm), seed
-    by seed."""
-    folder = REPO / "docs" / "studies" / study["name"] / "trials"
+    by seed; a trial the study reuses from another study's folder (study.json's ``reused``) is read there."""
+    where = {tid: name for name, ids in study.get("reused", {}).items() for tid in ids}
+    studies = REPO / "docs" / "studies"
     return [
-        json.loads((folder / p["trial"] / "result.json").read_text(encoding="utf-8"))
+        json.loads(
+            (studies / where.get(p["trial"], study["name"]) / "trials" / p["trial"] / "result.json").read_text(
+                encoding="utf-8"
+            )
+        )
         for name, a in study["testing"]["arms"].items()
         if arm in (None, name)
         for p in a["per_seed"]

@@ -424,3 +424,44 @@ def test_a_second_tuning_seed_runs_only_its_trials_and_chooses_by_the_mean(refer
     assert counting.calls == 2 + moved  # the seed-0 trials and the test trial at an unchanged rate were reused
     md = (tmp_path / "out" / "study.md").read_text()
     assert "seeds 0, 5 (each rate: the mean over them)" in md
+
+
+def test_a_study_reuses_the_trials_of_another_folder_with_the_same_key(reference, tmp_path):
+    """A study file's ``reuse: [FOLDER]``: the trials that folder holds with this study's keys count as done and
+    nothing is copied; one whose key differs there is run here; study.json is the reference's plus the list of
+    what it read where; ``--dry-run`` says where each trial is; ``--no-reuse`` runs everything; a folder that is not
+    a study's is an error naming the key."""
+    from retrofit.model.errors import RetrofitUserError
+
+    out, text, study = reference
+    other = tmp_path / "other"
+    shutil.copytree(out / "trials", other / "trials")
+    lr = study["tuning"]["arms"]["fixed"]["chosen_lr"]
+    changed = f"test-fixed-lr{lr:.3g}-s1"
+    r = json.loads((other / "trials" / changed / "result.json").read_text())
+    (other / "trials" / changed / "result.json").write_text(json.dumps({**r, "key": "another setting"}))
+    cfg = write_study(tmp_path / "cfg", study=STUDY + "reuse: [../other]\n")
+    here = tmp_path / "here"
+
+    rows = dict(R.plan(cfg, here))
+    assert rows[changed] == "to run" and sum(s == "done in other" for s in rows.values()) == N_TRIALS - 1
+    assert set(dict(R.plan(cfg, here, reuse=False)).values()) <= {"to run", "after its tuning"}
+
+    counting = Counting()
+    got = R.run_study(cfg, here, progress=False, runner=counting)
+    assert counting.calls == 1 and [p.parent.name for p in here.glob("trials/*/result.json")] == [changed]
+    reused = got["reused"]
+    assert list(reused) == ["other"] and sorted(reused["other"] + [changed]) == sorted(_results(out))
+    written = json.loads((here / "study.json").read_text())
+    assert written.pop("reused") == reused and written == study  # the same figures
+    assert "11 from `other`" in (here / "study.md").read_text()
+    # the trial that ran here is this folder's from now on; the report of the finished trials agrees
+    assert R.report_finished(cfg, here)["reused"] == reused
+
+    (tmp_path / "cfg" / "tiny.yaml").write_text(STUDY.format(keep="false") + "reuse: [../nowhere]\n")
+    with pytest.raises(RetrofitUserError, match="reuse: .*nowhere is not a study folder"):
+        R.plan(cfg, here)
+    assert "after its tuning" in dict(R.plan(cfg, here, reuse=False)).values()  # --no-reuse never looks there
+    (tmp_path / "cfg" / "tiny.yaml").write_text(STUDY.format(keep="false") + "reuse: ../other\n")
+    with pytest.raises(RetrofitUserError, match="reuse must be a list of study folders"):
+        R.plan(cfg, here)
