@@ -317,7 +317,6 @@ class StepExecutor:
         zpos = torch.zeros(N, dtype=torch.long, device=dev)
         if ro_run:
             zpos[torch.tensor(ro_run, device=dev)] = torch.arange(len(ro_run), device=dev)
-        model = self.model
         if not self.kv.has_coda:
             y = h_new[torch.tensor(ro_run, device=dev)] if ro_run else None
         else:
@@ -326,30 +325,7 @@ class StepExecutor:
             pend, self.ro_pending = self.ro_pending, []
             for pg, js in pend:
                 cu.extend((pg, j) for j in js)
-            rows = torch.tensor([r for g, _ in cu for r in g.rows], device=dev)
-            pos = torch.tensor([p for g, _ in cu for p in g.positions], device=dev)
-            s = torch.tensor([g.seq.slot for g, _ in cu for _ in g.rows], device=dev)
-            jt = torch.tensor([j for g, j in cu for _ in g.rows], device=dev)
-            x = self.buffers.h[rows]
-            cos, sin = self._rope(x, pos)
-            unit_rows_c, single = self._units([g.rows for g, _ in cu])
-            ends = [g.positions[-1] + 1 for g, _ in cu]
-            slots = self.kv.dense_write(self.kv.coda, s, jt, pos, [g.seq.slot for g, _ in cu], [j for _, j in cu], ends)
-            qmax = [e - 1 for e in ends]
-            keys = self.kv.dense_keys(
-                self.kv.coda,
-                torch.tensor([g.seq.slot for g, _ in cu], device=dev),
-                torch.tensor([j for _, j in cu], device=dev),
-                torch.tensor(qmax, device=dev),
-                max(qmax) + 1,
-                unit_rows_c,
-                pos,
-                single,
-            )
-            pool = self.kv.pools["coda"]
-            for layer in model.coda_layers:
-                li = layer.self_attn.layer_idx
-                x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
+            x, _ = self._coda(cu)
             for pg, _ in pend:
                 if pg.rows:
                     self.hooks._release_rows(pg)
@@ -363,50 +339,51 @@ class StepExecutor:
         z = self.logits(y) if y is not None else None
         return z, zpos
 
+    def _coda(self, units: list[tuple[TokenGroup, int]]) -> tuple[torch.Tensor, list]:
+        """The coda layers over coda units ``(group, stream j)``: each group's rows at its positions, written to
+        and reading stream ``j`` of the coda's KV (positions ``0 … `` its last). Returns the coda output
+        ``[rows, H]`` (units in order, each group's rows in order) and the units' ``(start, count)`` rows."""
+        dev = self.device
+        pos = torch.tensor([p for g, _ in units for p in g.positions], device=dev)
+        s = torch.tensor([g.seq.slot for g, _ in units for _ in g.rows], device=dev)
+        jt = torch.tensor([j for g, j in units for _ in g.rows], device=dev)
+        x = self.buffers.h[torch.tensor([r for g, _ in units for r in g.rows], device=dev)]
+        cos, sin = self._rope(x, pos)
+        unit_rows, single = self._units([g.rows for g, _ in units])
+        seq_py, j_py = [g.seq.slot for g, _ in units], [j for _, j in units]
+        ends = [g.positions[-1] + 1 for g, _ in units]
+        slots = self.kv.dense_write(self.kv.coda, s, jt, pos, seq_py, j_py, ends)
+        qmax = [e - 1 for e in ends]
+        keys = self.kv.dense_keys(
+            self.kv.coda,
+            torch.tensor(seq_py, device=dev),
+            torch.tensor(j_py, device=dev),
+            torch.tensor(qmax, device=dev),
+            max(qmax) + 1,
+            unit_rows,
+            pos,
+            single,
+        )
+        pool = self.kv.pools["coda"]
+        for layer in self.model.coda_layers:
+            li = layer.self_attn.layer_idx
+            x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
+        return x, unit_rows
+
     def finish_groups(self, finished: list[TokenGroup]) -> None:
         """All tokens of these groups have exited: output logits, sample, emit; then per request, finish it
         (``hooks._finish_seq``) or feed the sampled token (``hooks._new_group``)."""
         dev = self.device
-        model = self.model
         D = self.max_depth
-        seqs = torch.tensor([g.seq.slot for g in finished], device=dev)
         if self.adapter.output_from_readout:
+            seqs = torch.tensor([g.seq.slot for g in finished], device=dev)
             depths = torch.tensor([g.exit_depth[-1] for g in finished], device=dev)
             logits = self.adapter.combined_logits(seqs, depths)
+        elif self.kv.has_coda:  # each group's last row after the coda (stream 0: the output depth)
+            x, unit_rows = self._coda([(g, 0) for g in finished])
+            logits = self.logits(x[torch.tensor([start + n - 1 for start, n in unit_rows], device=dev)])
         else:
-            last_rows = torch.tensor([g.rows[-1] for g in finished], device=dev)
-            if self.kv.has_coda:
-                rows = torch.tensor([r for g in finished for r in g.rows], device=dev)
-                pos = torch.tensor([p for g in finished for p in g.positions], device=dev)
-                s = torch.tensor([g.seq.slot for g in finished for _ in g.rows], device=dev)
-                x = self.buffers.h[rows]
-                cos, sin = self._rope(x, pos)
-                unit_rows, single = self._units([g.rows for g in finished])
-                ends = [g.positions[-1] + 1 for g in finished]
-                zero = torch.zeros_like(s)
-                slots = self.kv.dense_write(
-                    self.kv.coda, s, zero, pos, [g.seq.slot for g in finished], [0] * len(finished), ends
-                )
-                qmax = [e - 1 for e in ends]
-                keys = self.kv.dense_keys(
-                    self.kv.coda,
-                    seqs,
-                    torch.zeros_like(seqs),
-                    torch.tensor(qmax, device=dev),
-                    max(qmax) + 1,
-                    unit_rows,
-                    pos,
-                    single,
-                )
-                pool = self.kv.pools["coda"]
-                for layer in model.coda_layers:
-                    li = layer.self_attn.layer_idx
-                    x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
-                last = torch.tensor([start + n - 1 for start, n in unit_rows], device=dev)
-                y = x[last]
-            else:
-                y = self.buffers.h[last_rows]
-            logits = self.logits(y)
+            logits = self.logits(self.buffers.h[torch.tensor([g.rows[-1] for g in finished], device=dev)])
         greedy = [g.seq.req.params.greedy for g in finished]
         argmax = logits.argmax(-1).tolist() if any(greedy) else None
         now = time.monotonic()
