@@ -242,3 +242,35 @@ def test_readme_price_paragraph_is_the_committed_study():
         and collapse["mean_depth"] == 1.0
         and "at 0.5 TaH2 collapses as released" in para
     )
+
+
+def test_readme_twice_the_steps_paragraph_is_the_committed_diagnostic():
+    """README's paragraph on the 480-step diagnostic quotes its result JSONs (docs/studies/price/*_steps480-*.json)
+    and the studies' 240-step test trials: each arm's mean test accuracy at both budgets, looped − SFT per arm with
+    its sign in every seed, the held-out level's range and TaH2's d̄ per seed."""
+    para = _paragraph("**Twice the steps (a diagnostic, not a study).**")
+    studies = REPO / "docs" / "studies"
+
+    def runs(kind: str, rate: str, short: str, long: str) -> dict[int, list[dict]]:
+        read = lambda p: json.loads(p.read_text(encoding="utf-8"))  # noqa: E731
+        at240 = [read(studies / short / "trials" / f"test-{kind}-lr{rate}-s{s}" / "result.json") for s in (1, 2, 3)]
+        at480 = [read(studies / "price" / f"{long}_steps480-lr{rate}-s{s}.json") for s in (1, 2, 3)]
+        assert all(r["train"]["steps"] == 480 for r in at480) and all(r["train"]["steps"] == 240 for r in at240)
+        return {240: at240, 480: at480}
+
+    def mean(rs: list[dict]) -> float:
+        return 100 * sum(r["accuracy"] for r in rs) / len(rs)
+
+    sft = runs("sft", "0.001", "main", "sft")
+    looped = {"fixed": runs("fixed", "0.002", "main", "fixed"), "tah2": runs("tah2_price", "0.001", "price", "price")}
+    assert f"SFT {mean(sft[480]):.1f}% (from {mean(sft[240]):.1f}%)" in para
+    assert f"the fixed loop {mean(looped['fixed'][480]):.1f}% (from {mean(looped['fixed'][240]):.1f}%)" in para
+    assert f"TaH2 priced higher {mean(looped['tah2'][480]):.1f}% (from {mean(looped['tah2'][240]):.1f}%)" in para
+    for name, quoted in (("fixed", "for the fixed loop"), ("tah2", "for TaH2")):
+        diffs = [a["accuracy"] - b["accuracy"] for a, b in zip(looped[name][480], sft[480])]
+        assert all(d < 0 for d in diffs) and f"{100 * sum(diffs) / 3:.1f} points {quoted}" in para.replace("−", "-")
+    held = lambda rs: [round(100 * r["levels"]["8"]["accuracy"]) for r in rs]  # noqa: E731
+    assert f"SFT reaches {min(held(sft[480]))}–{max(held(sft[480]))}%" in para
+    lows = held(looped["fixed"][480]) + held(looped["tah2"][480])
+    assert f"fall to {min(lows)}–{max(lows)}%" in para
+    assert "d̄ " + " / ".join(f"{r['mean_depth']:.2f}" for r in looped["tah2"][480]) in para

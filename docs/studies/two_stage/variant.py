@@ -60,7 +60,8 @@ def main(argv=None) -> None:
     r = run_trial(cfg, trial, Path(f"outputs/{args.arm}_{args.name}/{tag}"), progress=False)
     (args.out / f"{args.name}-{tag}.json").write_text(json.dumps(r, indent=1) + "\n")
     print(json.dumps({k: r[k] for k in ("accuracy", "mean_depth", "forced_depth_accuracy")}))
-    print(json.dumps(second_pass({args.arm: {args.seed: r}}, [args.seed])[args.arm][0]))
+    for row in second_pass({args.arm: {args.seed: r}}, [args.seed]).get(args.arm, []):  # none for an SFT arm
+        print(json.dumps(row))
 
 
 if __name__ == "__main__":
