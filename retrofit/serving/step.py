@@ -143,32 +143,10 @@ class StepExecutor:
         ``e`` and ``h`` at their rows, and the adapter's per-row state starts (``enter``)."""
         dev = self.device
         rows = torch.tensor([r for g in groups for r in g.rows], device=dev)
-        pos = torch.tensor([p for g in groups for p in g.positions], device=dev)
         tokens = torch.tensor([t for g in groups for t in g.tokens], device=dev)
         x = self.model.model.embed_tokens(tokens)
         if self.model.prelude_layers:
-            cos, sin = self._rope(x, pos)
-            s = torch.tensor([g.seq.slot for g in groups for _ in g.rows], device=dev)
-            zero = torch.zeros_like(s)
-            unit_rows, single = self._units([g.rows for g in groups])
-            useq = [g.seq.slot for g in groups]
-            ends = [g.positions[-1] + 1 for g in groups]
-            slots = self.kv.dense_write(self.kv.pre, s, zero, pos, useq, [0] * len(groups), ends)
-            qmax = [g.positions[-1] for g in groups]
-            keys = self.kv.dense_keys(
-                self.kv.pre,
-                torch.tensor(useq, device=dev),
-                torch.zeros(len(groups), dtype=torch.long, device=dev),
-                torch.tensor(qmax, device=dev),
-                max(qmax) + 1,
-                unit_rows,
-                pos,
-                single,
-            )
-            pool = self.kv.pools["pre"]
-            for layer in self.model.prelude_layers:
-                li = layer.self_attn.layer_idx
-                x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
+            x = self._dense("pre", x, [(g, 0) for g in groups])[0]
         self.buffers.e[rows] = x
         self.buffers.h[rows] = x
         by_spec: dict[ExitSpec, list[int]] = {}  # one call per exit spec (usually one for the whole step)
@@ -340,22 +318,29 @@ class StepExecutor:
         return z, zpos
 
     def _coda(self, units: list[tuple[TokenGroup, int]]) -> tuple[torch.Tensor, list]:
-        """The coda layers over coda units ``(group, stream j)``: each group's rows at its positions, written to
-        and reading stream ``j`` of the coda's KV (positions ``0 … `` its last). Returns the coda output
-        ``[rows, H]`` (units in order, each group's rows in order) and the units' ``(start, count)`` rows."""
+        """The coda layers over coda units ``(group, stream j)`` from the groups' rows of ``h`` (``_dense``)."""
+        x = self.buffers.h[torch.tensor([r for g, _ in units for r in g.rows], device=self.device)]
+        return self._dense("coda", x, units)
+
+    def _dense(self, part: str, x: torch.Tensor, units: list[tuple[TokenGroup, int]]) -> tuple[torch.Tensor, list]:
+        """The layers of ``part`` (``"pre"``: the prelude, ``"coda"``) over units ``(group, stream j)`` with input
+        ``x`` ``[rows, H]`` (units in order, each group's rows in order): each group's rows at its positions,
+        written to and reading stream ``j`` of that part's KV (positions ``0 …`` its last). Returns the output
+        ``[rows, H]`` and the units' ``(start, count)`` rows."""
         dev = self.device
+        table = self.kv.pre if part == "pre" else self.kv.coda
+        layers = self.model.prelude_layers if part == "pre" else self.model.coda_layers
         pos = torch.tensor([p for g, _ in units for p in g.positions], device=dev)
         s = torch.tensor([g.seq.slot for g, _ in units for _ in g.rows], device=dev)
         jt = torch.tensor([j for g, j in units for _ in g.rows], device=dev)
-        x = self.buffers.h[torch.tensor([r for g, _ in units for r in g.rows], device=dev)]
         cos, sin = self._rope(x, pos)
         unit_rows, single = self._units([g.rows for g, _ in units])
         seq_py, j_py = [g.seq.slot for g, _ in units], [j for _, j in units]
         ends = [g.positions[-1] + 1 for g, _ in units]
-        slots = self.kv.dense_write(self.kv.coda, s, jt, pos, seq_py, j_py, ends)
+        slots = self.kv.dense_write(table, s, jt, pos, seq_py, j_py, ends)
         qmax = [e - 1 for e in ends]
         keys = self.kv.dense_keys(
-            self.kv.coda,
+            table,
             torch.tensor(seq_py, device=dev),
             torch.tensor(j_py, device=dev),
             torch.tensor(qmax, device=dev),
@@ -364,8 +349,8 @@ class StepExecutor:
             pos,
             single,
         )
-        pool = self.kv.pools["coda"]
-        for layer in self.model.coda_layers:
+        pool = self.kv.pools[part]
+        for layer in layers:
             li = layer.self_attn.layer_idx
             x = self.runner.run(layer, x, cos, sin, pool.k[li], pool.v[li], slots, keys)
         return x, unit_rows
