@@ -77,15 +77,16 @@ class Study:
     def result(self, t: Trial) -> dict | None:
         """The finished trial's result, or None: this folder's, else a ``reuse`` folder's with the same key; a result
         of other settings in this folder stops the study (module docstring)."""
-        want = trial_key(self.cfg, t)
         r = read_result(self.folder(t))
-        if r is None:
+        if r is None:  # the key (the trial's settings parsed) only where there is a result to check
+            want = trial_key(self.cfg, t) if self.reuse else None
             for p in self.reuse:
                 r = read_result(p / "trials" / t.id)
                 if r is not None and r.get("key") == want:
                     self.reused[t.id] = p.name
                     return r
             return None
+        want = trial_key(self.cfg, t)
         if r.get("key") != want:
             raise RetrofitUserError(
                 f"{self.folder(t)} holds a result of other settings (key {r.get('key')} != {want}): the config or a "
@@ -303,17 +304,17 @@ def plan(
     study = _open(config, out, arms, seeds, reuse=reuse)
     cfg = study.cfg
 
-    def state(t: Trial) -> str:
-        if study.result(t) is None:
+    def state(t: Trial, r: dict | None) -> str:
+        if r is None:
             return "to run"
         return f"done in {study.reused[t.id]}" if t.id in study.reused else "done"
 
     tuned = {t: study.result(t) for t in tuning_trials(cfg)}
-    rows = [(t.id, state(t)) for t in tuned]
+    rows = [(t.id, state(t, r)) for t, r in tuned.items()]
     done = {t: r for t, r in tuned.items() if r}
     tests = {a.name: arm_tests(cfg, a, done) for a in cfg.arms}
     ready = sorted((t for ts in tests.values() if ts for t in ts), key=lambda t: order(cfg, t))
-    rows += [(t.id, state(t)) for t in ready]
+    rows += [(t.id, state(t, study.result(t))) for t in ready]
     rows += [
         (f"test-{arm} x {len(cfg.test_seeds)} seeds", "after its tuning") for arm, ts in tests.items() if ts is None
     ]
